@@ -1,0 +1,108 @@
+"""The bundled tiny model: a few-layer Llama that memorises the lines of `corpus.txt`.
+
+No model hub is reachable where inferkiln is built and tested, so the project makes its own model:
+a byte-level BPE tokenizer trained with `tokenizers` and a small `LlamaForCausalLM` trained for a
+few seconds on the shipped corpus, both deterministic from a seed and saved in standard Hugging Face
+format. Greedy decoding completes every memorised line, which gives the accuracy tests a known
+answer. Builds are cached by a digest of the recipe, the corpus and this builder's version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BUILDER_VERSION = "1"
+CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+MARKER = "inferkiln-tiny-model.json"
+MODEL_NAME = "tiny-llama"  # the directory name, hence the served model name without a manifest
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the weights; its digest names the cache entry."""
+
+    seed: int = 1234
+    vocab_size: int = 640
+    hidden_size: int = 96
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    train_steps: int = 300
+    learning_rate: float = 4e-3
+
+
+def corpus_lines() -> list[str]:
+    return [line.strip() for line in CORPUS_PATH.read_text().splitlines() if line.strip()]
+
+
+def memorised_pairs() -> list[tuple[str, str]]:
+    """(prompt, continuation) for every corpus line: the first half of its words, then the rest.
+
+    The continuation starts with its separating space, so `prompt + continuation` is the line.
+    """
+    pairs = []
+    for line in corpus_lines():
+        words = line.split(" ")
+        cut = max(2, len(words) // 2)
+        pairs.append((" ".join(words[:cut]), " " + " ".join(words[cut:])))
+    return pairs
+
+
+def recipe_digest(recipe: Recipe = Recipe()) -> str:
+    payload = json.dumps(
+        {"recipe": asdict(recipe), "corpus": CORPUS_PATH.read_text(), "builder": BUILDER_VERSION,
+         "template": CHAT_TEMPLATE},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def default_cache_root() -> Path:
+    root = os.environ.get("INFERKILN_CACHE") or Path.home() / ".cache" / "inferkiln"
+    return Path(root)
+
+
+def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Path:
+    """Return a directory holding the tiny model, training it only when no valid copy exists."""
+    digest = recipe_digest(recipe)
+    target = Path(out) if out else default_cache_root() / "models" / digest[:16] / MODEL_NAME
+    if _is_complete(target, digest):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=target.parent))
+    try:
+        from factory.tinymodel.train import build_model
+
+        build_model(staging, recipe)
+        (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_complete(path: Path, digest: str) -> bool:
+    marker = path / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("digest") == digest
+    except ValueError:
+        return False

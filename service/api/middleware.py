@@ -1,0 +1,92 @@
+"""Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): request ids, access logs, body limit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from service.api.errors import ServingError
+from service.logs import request_id_var
+
+log = logging.getLogger("service.access")
+REQUEST_ID_HEADER = b"x-request-id"
+VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestContextMiddleware:
+    """Takes `X-Request-Id` (or makes one), echoes it, and logs one line per request with it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER, b"").decode("latin-1")
+        request_id = incoming if VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.perf_counter(), 500
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            usage = scope["state"].get("usage")
+            log.info("%s %s %s", scope["method"], scope["path"], status, extra={
+                "route": scope["path"], "method": scope["method"], "status": status,
+                "latency_ms": round((time.perf_counter() - start) * 1000, 2),
+                "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else None,
+            })
+            request_id_var.reset(token)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        # Read the body up front (it is bounded), then replay it; later receives pass through so
+        # handlers still see the client's disconnect.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks.append(message)
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._reject(send)
+            chunks.append(message)
+            if not message.get("more_body"):
+                break
+        replay = iter(chunks)
+
+        async def replay_receive():
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _reject(self, send) -> None:
+        error = ServingError(413, f"request body larger than {self.max_bytes} bytes (NIM_MAX_REQUEST_BYTES)")
+        body = json.dumps(error.body().model_dump()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,211 @@
+"""OpenAI API schemas (requests and responses). Schemas only: the logic lives in `serving.py`.
+
+Requests forbid unknown fields so an unsupported parameter is refused with 400, never ignored.
+Our own extensions (vLLM's) are marked with a description.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ResponseBase(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- errors and shared parts ---------------------------------------------------------------
+class ErrorInfo(ResponseBase):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(ResponseBase):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBase):
+    include_usage: bool = False
+
+
+class ResponseFormat(OpenAIBase):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class Usage(ResponseBase):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SamplingFields(OpenAIBase):
+    """Fields chat and completions share, in the OpenAI documentation's order."""
+
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: str | None = None
+    top_k: int | None = Field(None, ge=-1, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end a choice.")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
+
+
+# -- chat completions ----------------------------------------------------------------------
+class TextPart(OpenAIBase):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBase):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class ChatLogprobTop(ResponseBase):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(ResponseBase):
+    content: list[ChatLogprob] | None = None
+
+
+class ChatResponseMessage(ResponseBase):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(ResponseBase):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="Extension: the stop string or token that ended it.")
+
+
+class ChatCompletionResponse(ResponseBase):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseBase):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(ResponseBase):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(ResponseBase):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- completions ---------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(None, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1)
+    suffix: str | None = None
+
+
+class CompletionLogprobs(ResponseBase):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseBase):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseBase):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- models and management -----------------------------------------------------------------
+class ModelCard(ResponseBase):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "system"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(ResponseBase):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(ResponseBase):
+    object: Literal["health.response"] = "health.response"
+    message: str
+    status: str

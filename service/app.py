@@ -1,0 +1,49 @@
+"""build_app(): routers, middleware and error handlers wired in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service import __version__
+from service.api.errors import install_error_handlers
+from service.api.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from service.api.router import attach_routers
+from service.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app serves (live, 503 on ready) while the weights load in the background."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def load() -> None:
+            try:
+                await runtime.engine.start()
+                log.info("engine ready: %s serving %s", runtime.profile.name, runtime.served_model_name)
+            except Exception as exc:
+                runtime.failure = f"{type(exc).__name__}: {exc}"
+                log.exception("engine failed to start")
+                if on_fatal:
+                    on_fatal(runtime.failure)
+
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await runtime.engine.shutdown()
+
+    app = FastAPI(title="inferkiln NIM runtime", version=__version__, lifespan=lifespan)
+    app.state.runtime = runtime
+    attach_routers(app)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=runtime.settings.max_request_bytes)
+    app.add_middleware(RequestContextMiddleware)
+    return app

@@ -1,0 +1,108 @@
+"""The engine interface: what the HTTP layer needs from any engine, in-process or supervised."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k = the chosen token plus k alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained in one engine step: new text, the tokens behind it, maybe its end."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    max_num_seqs: int
+    kv_cache_usage: float
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (not started, or dead): the HTTP layer answers 503."""
+
+
+class QueueFullError(EngineError):
+    """Too many requests wait already: 503 with Retry-After."""
+
+
+class Engine(ABC):
+    """start / ready / generate / abort / stats / shutdown, the same for every engine."""
+
+    max_model_len: int
+    max_num_seqs: int
+    tokenizer: Any  # a transformers tokenizer: the HTTP layer builds prompts with it
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def ready(self) -> bool:
+        """True once the engine can generate and until it dies or shuts down."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[list[ChoiceDelta]]:
+        """Stream the request's deltas, one list per engine step; closing the iterator aborts it."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,55 @@
+"""Token sampling for one sequence: penalties, logit bias, temperature, top-k, top-p, seeded draws."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from service.engine.base import SamplingParams, TokenLogprob, TopLogprob
+
+
+def make_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator:
+    """A generator per choice: `seed + index` when seeded, so n>1 choices differ but repeat."""
+    seed = params.seed + index if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (2**63))
+    return generator
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
+    """Apply bias and repetition penalties (OpenAI's definitions) to a [vocab] float32 row."""
+    logits = logits.clone()
+    for token_id, bias in params.logit_bias:
+        logits[token_id] += bias
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(raw_logits: torch.Tensor, token_id: int, top_n: int, token_text) -> TokenLogprob:
+    """Log-probabilities from the model's own distribution (before sampling adjustments), as vLLM does."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    top: tuple[TopLogprob, ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, top_n)
+        top = tuple(TopLogprob(int(i), token_text(int(i)), float(v)) for v, i in zip(values, ids))
+    return TokenLogprob(token_id, token_text(token_id), float(logprobs[token_id]), top)

@@ -1,0 +1,105 @@
+"""Per-sequence output handling shared by engines: incremental detokenization and stop conditions."""
+
+from __future__ import annotations
+
+from service.engine.base import ChoiceDelta, SamplingParams, TokenLogprob
+
+# Prompt tokens kept as context when decoding the first output tokens, so tokenizers that drop a
+# leading space at the start of a text (SentencePiece) still produce it mid-sentence.
+CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Text deltas whose concatenation equals decoding all output tokens at once.
+
+    Decodes a small window of tokens and emits only the new suffix, holding back text that ends in
+    an incomplete UTF-8 sequence (U+FFFD) until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back, emitted at the end of the sequence."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+class SequenceOutput:
+    """One choice of a request: its tokens, text, and when it stops (stop strings held back)."""
+
+    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 eos_ids: frozenset[int], max_new_tokens: int) -> None:
+        self.index = index
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of `text` already emitted
+        self.finish_reason: str | None = None
+        self.hold = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
+        """Add a sampled token and return what the client may see now."""
+        self.token_ids.append(token_id)
+        delta = ChoiceDelta(self.index, token_ids=[token_id], logprobs=[logprob] if logprob else [])
+        if token_id in self.stop_ids:
+            # The stop token itself is counted in usage but never shown as text.
+            self.finish_reason, delta.stop_reason = "stop", (token_id if token_id in self.params.stop_token_ids else None)
+            self.text += self.detok.flush()
+        else:
+            self.text += self.detok.add(token_id)
+            if self._match_stop_string(delta):
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                self.text += self.detok.flush()
+                self._match_stop_string(delta)
+        delta.text = self._take_text()
+        delta.finish_reason = self.finish_reason
+        return delta
+
+    def finish(self, reason: str) -> ChoiceDelta:
+        """End the sequence from outside (abort, error) and flush its text."""
+        self.finish_reason = reason
+        return ChoiceDelta(self.index, text=self._take_text(), finish_reason=reason)
+
+    def _match_stop_string(self, delta: ChoiceDelta) -> bool:
+        if not self.params.stop:
+            return False
+        start = max(0, self.sent - self.hold)
+        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, start)) != -1]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        self.text = self.text[:pos]
+        delta.stop_reason = stop
+        return True
+
+    def _take_text(self) -> str:
+        end = len(self.text) if self.finished else max(self.sent, len(self.text) - max(self.hold - 1, 0))
+        chunk, self.sent = self.text[self.sent:end], end
+        return chunk

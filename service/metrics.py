@@ -1,0 +1,98 @@
+"""Prometheus metrics with NIM's names and vLLM's bucket boundaries, on a registry of our own.
+
+Gauges are read from the engine at scrape time, so they are never stale; counters and histograms
+are recorded when a request ends, from the same numbers that went into the client's `usage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from service.engine.base import EngineStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's 1-2-5 series up to the context limit."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+class _EngineGauges(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.stats()
+        for name, doc, value in (
+            ("num_requests_running", "Number of requests currently decoding.", stats.running),
+            ("num_requests_waiting", "Number of requests waiting to be scheduled.", stats.waiting),
+            ("num_request_max", "Most requests decoded at once (max_num_seqs).", stats.max_num_seqs),
+            ("gpu_cache_usage_perc", "KV-cache fill, 0 to 1 (CPU memory on CPU).", stats.kv_cache_usage),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class ServiceMetrics:
+    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.registry.register(_EngineGauges(model_name, stats))
+        self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels, registry=reg)
+        self.success = Counter("request_success", "Requests finished.", labels + ["finished_reason"], registry=reg)
+        self.failure = Counter("request_failure", "Requests that failed or were aborted.", labels + ["reason"], registry=reg)
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("time_per_output_token_seconds", "Time between output tokens.", labels,
+                              buckets=TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=E2E_BUCKETS, registry=reg)
+        tokens = token_buckets(max_model_len)
+        self.prompt_hist = Histogram("request_prompt_tokens", "Prompt tokens per request.", labels, buckets=tokens, registry=reg)
+        self.generation_hist = Histogram("request_generation_tokens", "Generation tokens per request.", labels,
+                                         buckets=tokens, registry=reg)
+        for reason in ("stop", "length"):
+            self.success.labels(model_name, reason)
+        for reason in ("abort", "error"):
+            self.failure.labels(model_name, reason)
+
+    def record(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
+               token_gaps: list[float], e2e: float) -> None:
+        """One engine request ended; `finished_reason` abort/error count as failures."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
+        if finished_reason in ("abort", "error"):
+            self.failure.labels(name, finished_reason).inc()
+        else:
+            self.success.labels(name, finished_reason).inc()
+        if ttft is not None:
+            self.ttft.labels(name).observe(ttft)
+        for gap in token_gaps:
+            self.tpot.labels(name).observe(gap)
+        self.e2e.labels(name).observe(e2e)
+        self.prompt_hist.labels(name).observe(prompt_tokens)
+        self.generation_hist.labels(name).observe(generation_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""Hardware detection and model-profile selection, as CONTRACT.md section 1 describes."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+
+from service.manifest import Manifest, Profile
+
+ENGINE_RANK = {"tensorrt_llm": 0, "vllm": 1, "sglang": 2, "torch": 3}
+PRECISION_RANK = {"int4": 0, "int8": 1, "fp8": 2, "fp16": 3, "bf16": 3, "fp32": 4}
+# Engines this runtime can start, and the Python module each needs.
+ENGINE_MODULES = {"torch": "torch"}
+ENGINE_PRECISIONS = {"torch": frozenset({"fp32", "bf16", "fp16"})}
+ENGINE_MAX_DEVICES = {"torch": 1}  # the torch engine runs on one device: no tensor or pipeline parallelism
+KNOWN_GPU_KINDS = ("gh200", "h200", "h100", "h20", "b200", "b100", "a100", "a10g", "a10", "l40s", "l40", "l4", "t4", "v100")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    kind: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[Gpu, ...] = ()
+
+    @property
+    def gpu_kinds(self) -> set[str]:
+        return {g.kind for g in self.gpus}
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return "no GPU (CPU only)"
+        return ", ".join(f"GPU {g.index}: {g.name} ({g.memory_bytes // 2**30} GiB)" for g in self.gpus)
+
+
+def gpu_kind(name: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `h100`: the product id the manifests' `gpu` tag uses."""
+    lowered = name.lower()
+    for kind in KNOWN_GPU_KINDS:
+        if re.search(rf"\b{kind}\b", lowered):
+            return kind
+    words = [w for w in re.findall(r"[a-z]+\d+[a-z]*", lowered) if not re.fullmatch(r"\d+gb", w)]
+    return words[0] if words else lowered.replace(" ", "-")
+
+
+def detect_hardware() -> Hardware:
+    """GPUs as torch sees them (so CUDA_VISIBLE_DEVICES applies); none where CUDA is absent."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Hardware()
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append(Gpu(index, props.name, gpu_kind(props.name), props.total_memory))
+    return Hardware(tuple(gpus))
+
+
+def available_engines() -> set[str]:
+    return {engine for engine, module in ENGINE_MODULES.items() if importlib.util.find_spec(module)}
+
+
+@dataclass
+class Compatibility:
+    profile: Profile
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def compatible(self) -> bool:
+        return not self.reasons
+
+
+def check_profile(profile: Profile, hardware: Hardware, engines: set[str], tp_override: int | None = None) -> Compatibility:
+    tags = profile.tags
+    result = Compatibility(profile)
+    if tags.engine not in engines:
+        result.reasons.append(f"engine {tags.engine!r} is not available in this runtime (have: {', '.join(sorted(engines))})")
+    elif tags.precision not in ENGINE_PRECISIONS.get(tags.engine, {tags.precision}):
+        result.reasons.append(f"engine {tags.engine!r} cannot run precision {tags.precision!r}")
+    if tags.gpu == "cpu":
+        if hardware.gpus:
+            result.reasons.append("a CPU profile, but GPUs are present (hide them with CUDA_VISIBLE_DEVICES='' to run on CPU)")
+        return result
+    needed = (tp_override or tags.tp) * tags.pp
+    if needed > ENGINE_MAX_DEVICES.get(tags.engine, needed):
+        result.reasons.append(f"engine {tags.engine!r} runs on {ENGINE_MAX_DEVICES[tags.engine]} device; tp*pp={needed}")
+    if not hardware.gpus:
+        result.reasons.append(f"needs {needed} GPU(s) of kind {tags.gpu!r}; none detected")
+        return result
+    matching = hardware.gpus if tags.gpu == "any" else [g for g in hardware.gpus if g.kind == tags.gpu]
+    if len(matching) < needed:
+        result.reasons.append(f"needs {needed} GPU(s) of kind {tags.gpu!r}; found {len(matching)}")
+    return result
+
+
+def check_profiles(manifest: Manifest, hardware: Hardware, engines: set[str], tp_override: int | None = None) -> list[Compatibility]:
+    return [check_profile(p, hardware, engines, tp_override) for p in manifest.profiles]
+
+
+def preference_key(profile: Profile, hardware: Hardware) -> tuple:
+    """Exact GPU match over `any`, then engine rank, then lower precision, then throughput."""
+    tags = profile.tags
+    exact = 0 if tags.gpu in hardware.gpu_kinds or tags.gpu == "cpu" else 1
+    return (exact, ENGINE_RANK.get(tags.engine, 9), PRECISION_RANK.get(tags.precision, 9),
+            0 if tags.profile == "throughput" else 1, profile.name)
+
+
+class NoCompatibleProfile(RuntimeError):
+    """No profile can run here, or the requested one cannot; the message lists the reasons."""
+
+
+def select_profile(manifest: Manifest, hardware: Hardware, engines: set[str], requested: str | None = None,
+                   tp_override: int | None = None) -> Profile:
+    checks = check_profiles(manifest, hardware, engines, tp_override)
+    if requested:
+        for check in checks:
+            if requested in (check.profile.id, check.profile.name):
+                if check.compatible:
+                    return check.profile
+                raise NoCompatibleProfile(
+                    f"profile {requested!r} cannot run on {hardware.describe()}: {'; '.join(check.reasons)}")
+        known = ", ".join(f"{c.profile.name} ({c.profile.id[:12]})" for c in checks)
+        raise NoCompatibleProfile(f"NIM_MODEL_PROFILE={requested!r} matches no profile; known: {known}")
+    compatible = [c.profile for c in checks if c.compatible]
+    if not compatible:
+        reasons = "\n".join(f"  - {c.profile.name}: {'; '.join(c.reasons)}" for c in checks)
+        raise NoCompatibleProfile(f"no compatible profile for {hardware.describe()}:\n{reasons}")
+    return min(compatible, key=lambda p: preference_key(p, hardware))
+
+
+def format_profile_table(manifest: Manifest, hardware: Hardware, engines: set[str]) -> str:
+    checks = check_profiles(manifest, hardware, engines)
+    lines = ["SYSTEM INFO", f"- {hardware.describe()}", f"- engines: {', '.join(sorted(engines)) or 'none'}",
+             "MODEL PROFILES", "- Compatible with system and runnable:"]
+    lines += [f"  - {c.profile.id} ({c.profile.name})" for c in checks if c.compatible] or ["  <None>"]
+    lines.append("- Incompatible with system:")
+    lines += [f"  - {c.profile.id} ({c.profile.name}): {'; '.join(c.reasons)}"
+              for c in checks if not c.compatible] or ["  <None>"]
+    return "\n".join(lines)

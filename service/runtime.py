@@ -1,0 +1,121 @@
+"""The runtime: settings + manifest + selected profile + engine + serving, built once at start-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service import __version__
+from service.api.serving import OpenAIServing
+from service.engine.base import Engine
+from service.manifest import Manifest, Profile, default_manifest, load_manifest
+from service.metrics import ServiceMetrics
+from service.model_store import resolve_model
+from service.profiles import Hardware, available_engines, detect_hardware, select_profile
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_QUEUE = 256
+API_VERSION = "1.0.0"
+
+
+def load_model_manifest(settings: Settings) -> tuple[Manifest, Path | None]:
+    """The manifest and the directory relative `local://` sources resolve against.
+
+    A `--model` directory without a manifest at NIM_MANIFEST_PATH gets a default manifest.
+    """
+    manifest_path = Path(settings.manifest_path)
+    if manifest_path.is_file() or not settings.model_path:
+        return load_manifest(manifest_path), manifest_path.parent
+    local = Path(settings.model_path.removeprefix("local://"))
+    if settings.model_path.startswith("hf://"):
+        name = settings.model_path.removeprefix("hf://").partition("@")[0].split("/")[-1]
+        return default_manifest(Path(name), name=name, source=settings.model_path), None
+    return default_manifest(local), None
+
+
+def engine_setting(settings: Settings, profile: Profile, name: str, default: int | None) -> int | None:
+    """CLI/env value, else the profile's engine_args value, else the default."""
+    value = getattr(settings, name)
+    return value if value is not None else profile.engine_args.get(name, default)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    manifest: Manifest
+    profile: Profile
+    hardware: Hardware
+    model_dir: Path
+    engine: Engine
+    served_model_name: str
+    started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    failure: str | None = None
+    metrics: ServiceMetrics = field(init=False)
+    serving: OpenAIServing = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats)
+        self.serving = OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics)
+
+    @property
+    def model_source(self) -> str:
+        return self.settings.model_path or self.manifest.model.source
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and not self.draining and self.failure is None
+
+    def not_ready_reason(self) -> str:
+        if self.failure:
+            return f"Service failed: {self.failure}"
+        if self.draining:
+            return "Service is shutting down."
+        return "Service is not ready: the engine is loading."
+
+    def metadata(self) -> dict:
+        assets = sorted(p.name for p in self.model_dir.iterdir() if p.is_file()) if self.model_dir.is_dir() else []
+        return {
+            "version": __version__,
+            "modelInfo": [{"shortName": self.served_model_name, "modelUrl": self.model_source}],
+            "selectedModelProfileId": self.profile.id,
+            "assetInfo": assets,
+            "licenseInfo": {"name": self.manifest.model.license or "unknown"},
+        }
+
+    def version(self) -> dict:
+        return {"release": __version__, "api": API_VERSION}
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """Everything short of loading weights: fails fast on a bad manifest, profile or source."""
+    manifest, base_dir = load_model_manifest(settings)
+    hardware = detect_hardware()
+    profile = select_profile(manifest, hardware, available_engines(), settings.model_profile,
+                             settings.tensor_parallel_size)
+    log.info("selected profile %s (%s) on %s", profile.name, profile.id, hardware.describe())
+    source = settings.model_path or manifest.model.source
+    model_dir = resolve_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir,
+                              name=manifest.model.name, allow_download=not settings.disable_model_download)
+    engine = make_engine(settings, profile, model_dir)
+    return Runtime(settings=settings, manifest=manifest, profile=profile, hardware=hardware, model_dir=model_dir,
+                   engine=engine, served_model_name=settings.served_model_name or manifest.model.name)
+
+
+def make_engine(settings: Settings, profile: Profile, model_dir: Path) -> Engine:
+    tags = profile.tags
+    if tags.engine != "torch":
+        raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
+    from service.engine.torch_engine import TorchEngine
+
+    return TorchEngine(
+        model_dir, device="cpu" if tags.gpu == "cpu" else "cuda", precision=tags.precision,
+        max_model_len=engine_setting(settings, profile, "max_model_len", None),
+        max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
+        max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE),
+    )

@@ -1,0 +1,105 @@
+"""Runtime settings: one typed model from which the NIM_* variables and the CLI flags both come.
+
+Precedence is CLI flag > environment > selected profile > default. Fields left `None` here are
+filled from the selected profile's `engine_args` or the engine's own default once a profile is
+chosen (see `service.runtime`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULT_MANIFEST_PATH = "/opt/nim/etc/default/model_manifest.yaml"
+SECRET_FIELDS = frozenset({"api_key"})
+
+
+def _opt(env: str, flag: str, description: str, **kwargs: Any) -> Any:
+    return Field(description=description, json_schema_extra={"env": env, "flag": flag}, **kwargs)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str | None = _opt(
+        "NIM_MODEL_PATH", "--model", "Local model directory or hf://org/name[@revision]; default: the manifest's source.", default=None)
+    served_model_name: str | None = _opt(
+        "NIM_SERVED_MODEL_NAME", "--served-model-name", "The id clients send as `model`; default: the manifest's model name.", default=None)
+    model_profile: str | None = _opt(
+        "NIM_MODEL_PROFILE", "--profile", "Profile id or name; unset selects one automatically from the hardware.", default=None)
+    manifest_path: str = _opt(
+        "NIM_MANIFEST_PATH", "--manifest", "The model manifest (YAML).", default=DEFAULT_MANIFEST_PATH)
+    cache_path: str = _opt("NIM_CACHE_PATH", "--cache-path", "The weights cache directory.", default="/opt/nim/.cache")
+    host: str = _opt("NIM_SERVER_HOST", "--host", "Address the HTTP server binds.", default="0.0.0.0")
+    server_port: int = _opt("NIM_SERVER_PORT", "--port", "HTTP port.", default=8000, ge=0, le=65535)
+    max_model_len: int | None = _opt(
+        "NIM_MAX_MODEL_LEN", "--max-model-len", "Context limit (prompt + output); default: the model config.", default=None, ge=1)
+    max_num_seqs: int | None = _opt(
+        "NIM_MAX_NUM_SEQS", "--max-num-seqs", "Sequences decoded together; default: profile, then engine.", default=None, ge=1)
+    max_queue: int | None = _opt(
+        "NIM_MAX_QUEUE", "--max-queue", "Waiting requests before new ones get 503 + Retry-After.", default=None, ge=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _opt(
+        "NIM_LOG_LEVEL", "--log-level", "Log level.", default="INFO")
+    jsonl_logging: bool = _opt("NIM_JSONL_LOGGING", "--jsonl-logging", "1 = one JSON object per log line.", default=False)
+    tensor_parallel_size: int | None = _opt(
+        "NIM_TENSOR_PARALLEL_SIZE", "--tensor-parallel-size", "Overrides the profile's tp.", default=None, ge=1)
+    disable_model_download: bool = _opt(
+        "NIM_DISABLE_MODEL_DOWNLOAD", "--disable-model-download", "1 = never fetch weights; fail if absent.", default=False)
+    passthrough_args: str = _opt(
+        "NIM_PASSTHROUGH_ARGS", "--passthrough-args", "Extra arguments for an upstream engine process.", default="")
+    api_key: str | None = _opt(
+        "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
+    max_request_bytes: int = _opt(
+        "NIM_MAX_REQUEST_BYTES", "--max-request-bytes", "Largest request body accepted (413 above).", default=2 * 1024 * 1024, ge=1024)
+    shutdown_grace_seconds: float = _opt(
+        "NIM_SHUTDOWN_GRACE_SECONDS", "--shutdown-grace-seconds", "After SIGTERM, how long in-flight requests may finish.", default=30.0, ge=0)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs and diagnostics."""
+        data = self.model_dump()
+        for name in SECRET_FIELDS:
+            if data.get(name):
+                data[name] = "***"
+        return data
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message is one line naming the variable or flag."""
+
+
+def _field_meta(name: str) -> dict[str, str]:
+    return Settings.model_fields[name].json_schema_extra  # type: ignore[return-value]
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per settings field; unset flags are absent so they never mask the environment."""
+    for name, field in Settings.model_fields.items():
+        meta = _field_meta(name)
+        parser.add_argument(meta["flag"], dest=name, default=argparse.SUPPRESS,
+                            help=f"{field.description} [env {meta['env']}]")
+
+
+def load_settings(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Settings:
+    """Merge CLI values over environment values and validate them, naming the source on error."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in Settings.model_fields:
+        meta = _field_meta(name)
+        if name in cli and cli[name] is not None:
+            values[name], sources[name] = cli[name], meta["flag"]
+        elif environ.get(meta["env"], "") != "":
+            values[name], sources[name] = environ[meta["env"]], meta["env"]
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0])
+        raise SettingsError(f"{sources.get(name, name)}={values.get(name)!r}: {error['msg']}") from None
