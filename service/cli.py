@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from service.logs import configure_logging
@@ -58,12 +60,26 @@ def serve(settings: Settings) -> int:
     server: uvicorn.Server | None = None
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT readiness turns 503 at once; uvicorn then drains in-flight requests."""
+        """SIGTERM: readiness turns 503 and new requests are refused while in-flight ones finish.
+
+        uvicorn's own handler would stop listening at once and re-raise the signal after shutdown
+        (exit -15); this one drains first and exits 0. A second signal exits at once.
+        """
 
         def handle_exit(self, sig: int, frame) -> None:
+            if runtime.draining:
+                self.should_exit = self.force_exit = True
+                return
             runtime.draining = True
             log.info("received %s: draining for up to %ss", signal.Signals(sig).name, settings.shutdown_grace_seconds)
-            super().handle_exit(sig, frame)
+            threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            deadline = time.monotonic() + settings.shutdown_grace_seconds
+            while runtime.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log.info("drained; %d request(s) still in flight", runtime.in_flight)
+            self.should_exit = True
 
     def on_fatal(reason: str) -> None:
         if server:

@@ -55,44 +55,47 @@ class ServiceMetrics:
     def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
+        labels, reg, name = ["model_name"], self.registry, model_name
         self.registry.register(_EngineGauges(model_name, stats))
-        self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
-        self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels, registry=reg)
+        # Children are bound to the model name now, so every series is exported from the start.
+        self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg).labels(name)
+        self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels,
+                                         registry=reg).labels(name)
         self.success = Counter("request_success", "Requests finished.", labels + ["finished_reason"], registry=reg)
-        self.failure = Counter("request_failure", "Requests that failed or were aborted.", labels + ["reason"], registry=reg)
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.failure = Counter("request_failure", "Requests that failed or were aborted.", labels + ["reason"],
+                               registry=reg)
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS,
+                              registry=reg).labels(name)
         self.tpot = Histogram("time_per_output_token_seconds", "Time between output tokens.", labels,
-                              buckets=TPOT_BUCKETS, registry=reg)
+                              buckets=TPOT_BUCKETS, registry=reg).labels(name)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=E2E_BUCKETS, registry=reg)
+                             buckets=E2E_BUCKETS, registry=reg).labels(name)
         tokens = token_buckets(max_model_len)
-        self.prompt_hist = Histogram("request_prompt_tokens", "Prompt tokens per request.", labels, buckets=tokens, registry=reg)
+        self.prompt_hist = Histogram("request_prompt_tokens", "Prompt tokens per request.", labels, buckets=tokens,
+                                     registry=reg).labels(name)
         self.generation_hist = Histogram("request_generation_tokens", "Generation tokens per request.", labels,
-                                         buckets=tokens, registry=reg)
+                                         buckets=tokens, registry=reg).labels(name)
         for reason in ("stop", "length"):
-            self.success.labels(model_name, reason)
+            self.success.labels(name, reason)
         for reason in ("abort", "error"):
-            self.failure.labels(model_name, reason)
+            self.failure.labels(name, reason)
 
     def record(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
                token_gaps: list[float], e2e: float) -> None:
         """One engine request ended; `finished_reason` abort/error count as failures."""
-        name = self.model_name
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(generation_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
         if finished_reason in ("abort", "error"):
-            self.failure.labels(name, finished_reason).inc()
+            self.failure.labels(self.model_name, finished_reason).inc()
         else:
-            self.success.labels(name, finished_reason).inc()
+            self.success.labels(self.model_name, finished_reason).inc()
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
+            self.ttft.observe(ttft)
         for gap in token_gaps:
-            self.tpot.labels(name).observe(gap)
-        self.e2e.labels(name).observe(e2e)
-        self.prompt_hist.labels(name).observe(prompt_tokens)
-        self.generation_hist.labels(name).observe(generation_tokens)
+            self.tpot.observe(gap)
+        self.e2e.observe(e2e)
+        self.prompt_hist.observe(prompt_tokens)
+        self.generation_hist.observe(generation_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

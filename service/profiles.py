@@ -45,8 +45,10 @@ def gpu_kind(name: str) -> str:
     for kind in KNOWN_GPU_KINDS:
         if re.search(rf"\b{kind}\b", lowered):
             return kind
-    words = [w for w in re.findall(r"[a-z]+\d+[a-z]*", lowered) if not re.fullmatch(r"\d+gb", w)]
-    return words[0] if words else lowered.replace(" ", "-")
+    ids = [w for w in re.findall(r"[a-z]+\d+[a-z]*", lowered) if not re.fullmatch(r"\d+gb", w)]
+    if ids:
+        return ids[0]
+    return "-".join(w for w in re.findall(r"[a-z0-9]+", lowered) if w not in ("nvidia", "tesla", "geforce"))
 
 
 def detect_hardware() -> Hardware:

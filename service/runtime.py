@@ -55,6 +55,7 @@ class Runtime:
     served_model_name: str
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    in_flight: int = 0  # inference requests not yet fully answered (streams included)
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
     serving: OpenAIServing = field(init=False)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.api.errors import ServingError
+from service.api.serving import SSEStream
 from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                   CompletionResponse, ErrorResponse, HealthResponse, ModelCard, ModelList)
 from service.runtime import Runtime
@@ -31,7 +32,12 @@ def require_api_key(request: Request) -> None:
                            headers={"WWW-Authenticate": "Bearer"})
 
 
-inference = APIRouter(dependencies=[Depends(require_api_key)], responses=ERRORS)
+def refuse_while_draining(request: Request) -> None:
+    if runtime(request).draining:
+        raise ServingError(503, "the server is shutting down", headers={"Retry-After": "1"})
+
+
+inference = APIRouter(dependencies=[Depends(require_api_key), Depends(refuse_while_draining)], responses=ERRORS)
 management = APIRouter()
 
 
@@ -54,13 +60,32 @@ async def cancel_on_disconnect(request: Request, work):
 
 
 async def respond(request: Request, work) -> Response:
-    result = await cancel_on_disconnect(request, work)
+    """Turn a serving result into a response, counting the request in flight until its last byte."""
+    rt = runtime(request)
+    rt.in_flight += 1
+    try:
+        result = await cancel_on_disconnect(request, work)
+    except BaseException:
+        rt.in_flight -= 1
+        raise
+    if isinstance(result, SSEStream):
+        return StreamingResponse(_counted(rt, request, result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    rt.in_flight -= 1
     if isinstance(result, Response):
         return result
-    if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     request.state.usage = result.usage
     return JSONResponse(result.model_dump())
+
+
+async def _counted(rt: Runtime, request: Request, stream: SSEStream):
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        rt.in_flight -= 1
+        request.state.usage = stream.usage
+        await stream.aclose()
 
 
 @inference.post("/v1/chat/completions", response_model=ChatCompletionResponse)

@@ -57,6 +57,24 @@ class Job:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+@dataclass
+class SSEStream:
+    """A streaming answer: the SSE chunks, and the job whose usage they report."""
+
+    job: Job
+    chunks: AsyncIterator[str]
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.chunks
+
+    async def aclose(self) -> None:
+        await self.chunks.aclose()
+
+    @property
+    def usage(self) -> Usage:
+        return self.job.usage
+
+
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics) -> None:
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
@@ -78,7 +96,7 @@ class OpenAIServing:
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_stream(job, events, include_usage)
+            return SSEStream(job, self._chat_stream(job, events, include_usage))
         await self._drain(events)
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
@@ -139,7 +157,7 @@ class OpenAIServing:
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(job, events, include_usage, echoes)
+            return SSEStream(job, self._completion_stream(job, events, include_usage, echoes))
         await self._drain(events)
         choices = [CompletionChoice(index=i, text=echoes[i // params.n] + c.text,
                                     logprobs=self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,

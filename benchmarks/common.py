@@ -1,0 +1,46 @@
+"""Helpers the benchmarks share: percentiles, summaries, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of the samples."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(latencies: list[float], wall: float) -> dict:
+    return {
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / wall,
+        "latency_ms": {"mean": statistics.fmean(latencies) * 1000, "p50": percentile(latencies, 50) * 1000,
+                       "p99": percentile(latencies, 99) * 1000},
+    }
+
+
+def machine() -> dict:
+    return {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_result(name: str, result: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+               **result}
+    path.write_text(json.dumps(payload, indent=2))
+    return path

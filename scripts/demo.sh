@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: `inferkiln demo` (pass --once to exit after the check).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh
+exec .venv/bin/inferkiln demo "$@"

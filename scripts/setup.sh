@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with inferkiln and its test tools.
+# Every other script sources this first, so a fresh clone needs nothing else.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+# The CPU build of torch; where pip has no local copy of it, set INFERKILN_TORCH to another spec.
+TORCH_SPEC=${INFERKILN_TORCH:-torch==2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $($PYTHON --version)" >&2
+    "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "setup: installing $TORCH_SPEC" >&2
+    .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+fi
+stamp=.venv/.inferkiln-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "setup: installing inferkiln and its dependencies" >&2
+    .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+    touch "$stamp"
+fi

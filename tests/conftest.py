@@ -1,0 +1,50 @@
+"""Shared fixtures: the real tiny model and a real server on a loopback port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from factory.tinymodel import ensure_tiny_model
+from service.launcher import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """Trained once per machine (about 40 s), then reused from the cache."""
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory):
+    """One shared server for the tests that only send requests."""
+    log = tmp_path_factory.mktemp("server") / "service.log"
+    with ServerProcess(["--model", str(tiny_model_dir)], log_path=log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return "tiny-llama"
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /v1/metrics, parsed by prometheus_client, keyed by (name, sorted labels)."""
+    text = httpx.get(f"{url}/v1/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(v for (n, lbls), v in samples.items()
+               if n == name and all(dict(lbls).get(k) == val for k, val in labels.items()))

@@ -1,0 +1,151 @@
+"""Bad input on every route gets the right 4xx in the OpenAI error shape, never a 500."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["code"] == status
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def chat_body(**overrides) -> dict:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **overrides}
+
+
+def completion_body(**overrides) -> dict:
+    return {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, **overrides}
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_malformed_json(server, route):
+    response = httpx.post(server.url + route, content=b'{"model": "tiny-llama", "prompt": ',
+                          headers={"content-type": "application/json"})
+    error = assert_openai_error(response, 400)
+    assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(max_tokens="many"), "max_tokens"),
+    (CHAT, chat_body(messages="hello"), "messages"),
+    (CHAT, chat_body(temperature=[1]), "temperature"),
+    (CHAT, chat_body(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role"),
+    (CHAT, chat_body(messages=[]), "messages"),
+    (COMPLETIONS, completion_body(prompt={"text": "x"}), None),
+    (COMPLETIONS, completion_body(n="two"), "n"),
+    (COMPLETIONS, completion_body(stop=5), None),
+])
+def test_wrong_types(server, route, body, param):
+    assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
+
+
+@pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(max_tokens=-1), "max_tokens"),
+    (CHAT, chat_body(max_tokens=0), "max_tokens"),
+    (CHAT, chat_body(max_tokens=10**9), "max_tokens"),
+    (CHAT, chat_body(max_completion_tokens=10**9), "max_completion_tokens"),
+    (COMPLETIONS, completion_body(max_tokens=10**9), "max_tokens"),
+    (CHAT, chat_body(temperature=5), "temperature"),
+    (CHAT, chat_body(top_p=0), "top_p"),
+    (CHAT, chat_body(n=0), "n"),
+    (CHAT, chat_body(n=100), "n"),
+    (CHAT, chat_body(top_logprobs=50, logprobs=True), "top_logprobs"),
+    (CHAT, chat_body(top_logprobs=2), "top_logprobs"),
+    (COMPLETIONS, completion_body(logprobs=99), "logprobs"),
+    (COMPLETIONS, completion_body(stop=[""]), "stop"),
+    (COMPLETIONS, completion_body(prompt=[]), "prompt"),
+    (COMPLETIONS, completion_body(prompt=[99999]), "prompt"),
+    (COMPLETIONS, completion_body(logit_bias={"word": 1}), "logit_bias"),
+    (COMPLETIONS, completion_body(logit_bias={"5": 1000}), "logit_bias"),
+    (COMPLETIONS, completion_body(frequency_penalty=3), "frequency_penalty"),
+])
+def test_out_of_range_values(server, route, body, param):
+    assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
+
+
+@pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat_body(functions=[{"name": "f"}]), "functions"),
+    (CHAT, chat_body(modalities=["audio"]), "modalities"),
+    (COMPLETIONS, completion_body(suffix="end"), "suffix"),
+    (COMPLETIONS, completion_body(best_of=3), "best_of"),
+    (COMPLETIONS, completion_body(echo=True, logprobs=1), "echo"),
+    (COMPLETIONS, completion_body(made_up_option=1), "made_up_option"),
+])
+def test_unsupported_parameters_are_refused(server, route, body, param):
+    error = assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
+    assert "support" in error["message"]
+
+
+@pytest.mark.parametrize("route,body", [(CHAT, chat_body()), (COMPLETIONS, completion_body())])
+def test_unknown_model_is_404(server, route, body):
+    error = assert_openai_error(httpx.post(server.url + route, json={**body, "model": "gpt-17"}), 404, "model")
+    assert "gpt-17" in error["message"]
+
+
+def test_unknown_model_through_openai_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_prompt_over_the_context(server, client):
+    long_prompt = "word " * 600
+    response = httpx.post(server.url + COMPLETIONS, json=completion_body(prompt=long_prompt))
+    error = assert_openai_error(response, 400, "prompt")
+    assert "512" in error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": long_prompt}])
+
+
+def test_prompt_plus_max_tokens_over_the_context(server):
+    response = httpx.post(server.url + COMPLETIONS, json=completion_body(prompt=[100] * 200, max_tokens=400))
+    assert_openai_error(response, 400, "max_tokens")
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_oversized_body_is_413(server, route):
+    big = "x" * (3 * 1024 * 1024)
+    assert_openai_error(httpx.post(server.url + route, json=completion_body(prompt=big)), 413)
+
+
+def test_oversized_chunked_body_is_413(server):
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 100_000
+
+    response = httpx.post(server.url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(response, 413)
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v1/embeddings"), ("GET", "/")])
+def test_unknown_route_is_404_in_openai_shape(server, method, path):
+    assert_openai_error(httpx.request(method, server.url + path), 404)
+
+
+def test_wrong_method_is_405_in_openai_shape(server):
+    assert_openai_error(httpx.get(server.url + COMPLETIONS), 405)
+
+
+def test_empty_body_is_400(server):
+    assert_openai_error(httpx.post(server.url + CHAT, headers={"content-type": "application/json"}), 400)
+
+
+def test_request_id_is_echoed_or_made(server):
+    given = httpx.get(server.url + "/v1/health/live", headers={"X-Request-Id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    made = httpx.get(server.url + "/v1/health/live")
+    assert len(made.headers["x-request-id"]) == 32
+    completion = httpx.post(server.url + COMPLETIONS, json=completion_body(), headers={"X-Request-Id": "req-9"})
+    assert completion.json()["id"] == "cmpl-req-9"

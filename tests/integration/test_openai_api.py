@@ -1,0 +1,178 @@
+"""The OpenAI API through the official client, against the real server and the real tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.tinymodel import memorised_pairs
+
+PAIRS = memorised_pairs()
+
+
+def test_models_lists_the_served_model(client, model_name):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_name]
+    assert models[0].max_model_len == 512
+    assert models[0].owned_by == "system"
+
+
+@pytest.mark.parametrize("prompt,expected", PAIRS[:4])
+def test_completion_greedy_recalls_memorised_line(client, model_name, prompt, expected):
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text == expected
+    assert choice.finish_reason == "stop"
+
+
+def test_chat_greedy_recalls_memorised_line(client, model_name):
+    prompt, expected = PAIRS[5]
+    reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": prompt}],
+                                           temperature=0, max_tokens=40)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.strip()
+
+
+def test_usage_counts_are_exact_tokens(client, model_name, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt, expected = PAIRS[1]
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    # the continuation's tokens plus the end-of-sequence token that stopped it
+    completion_ids = tokenizer(prompt + expected)["input_ids"][len(prompt_ids):]
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.completion_tokens == len(completion_ids) + 1
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_max_tokens_gives_length_and_exact_count(client, model_name):
+    reply = client.completions.create(model=model_name, prompt=PAIRS[2][0], max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+
+
+def test_streaming_completion_text_equals_non_streaming(client, model_name):
+    prompt = PAIRS[3][0]
+    whole = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0)
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_streaming_chat_has_role_content_and_usage(client, model_name):
+    prompt, expected = PAIRS[6]
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=40,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.strip()
+    assert chunks[-1].usage.completion_tokens > 0
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_without_include_usage_sends_no_usage(client, model_name):
+    chunks = list(client.completions.create(model=model_name, prompt="Trains run", max_tokens=5, stream=True))
+    assert all(c.usage is None for c in chunks)
+
+
+def test_n_choices_are_independent_and_counted(client, model_name):
+    reply = client.completions.create(model=model_name, prompt="The", max_tokens=12, n=4, temperature=1.5, seed=3)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    assert len({c.text for c in reply.choices}) > 1
+    assert reply.usage.completion_tokens == sum(
+        client.completions.create(model=model_name, prompt="The", max_tokens=12, n=1, temperature=1.5, seed=3 + i)
+        .usage.completion_tokens for i in range(4))
+
+
+def test_seed_reproduces_sampled_output(client, model_name):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=model_name, prompt="A", max_tokens=20, temperature=1.3, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_stop_string_cuts_output_and_is_reported(client, model_name):
+    prompt, expected = PAIRS[0]  # " is Paris, a city on the river Seine."
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0, stop=[" on"])
+    assert reply.choices[0].text == expected.split(" on")[0]
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].model_extra["stop_reason"] == " on"
+
+
+def test_stop_string_in_stream_is_never_sent(client, model_name):
+    prompt, expected = PAIRS[0]
+    chunks = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0,
+                                       stop=["river"], stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == expected.split("river")[0]
+
+
+def test_chat_logprobs_with_top_alternatives(client, model_name):
+    reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": PAIRS[4][0]}],
+                                           temperature=0, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # greedy picks the likeliest token, which heads the alternatives
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_completion_logprobs_legacy_format(client, model_name):
+    reply = client.completions.create(model=model_name, prompt=PAIRS[7][0], max_tokens=4, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 4
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and "".join(logprobs.tokens).startswith(reply.choices[0].text[:3])
+
+
+def test_token_prompt_and_batch_prompts(client, model_name, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (p0, e0), (p1, e1) = PAIRS[8], PAIRS[9]
+    reply = client.completions.create(model=model_name, prompt=[tokenizer(p0)["input_ids"], tokenizer(p1)["input_ids"]],
+                                      max_tokens=40, temperature=0)
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [e0, e1]
+    batch = client.completions.create(model=model_name, prompt=[p0, p1], max_tokens=40, temperature=0, n=2)
+    texts = {c.index: c.text for c in batch.choices}
+    assert texts == {0: e0, 1: e0, 2: e1, 3: e1}
+
+
+def test_echo_prepends_prompt(client, model_name):
+    prompt, expected = PAIRS[10]
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0, echo=True)
+    assert reply.choices[0].text == prompt + expected
+
+
+def test_logit_bias_steers_greedy_choice(client, model_name, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = dict(model=model_name, prompt="Bread", max_tokens=3, temperature=0, logprobs=0)
+    first = client.completions.create(**base).choices[0].logprobs.tokens[0]
+    banned = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(first))[0]
+    steered = client.completions.create(**base, logit_bias={str(banned): -100}).choices[0].logprobs.tokens[0]
+    assert steered != first
+
+
+def test_sampling_parameters_are_accepted(client, model_name):
+    base = dict(model=model_name, prompt="Bread", max_tokens=8, extra_body={"ignore_eos": True, "top_k": 5})
+    greedy = client.completions.create(**{**base, "temperature": 0}).choices[0].text
+    # top_p this small keeps only the likeliest token: sampling becomes greedy
+    narrow = client.completions.create(**base, temperature=1.0, top_p=0.01, seed=1,
+                                       frequency_penalty=0.5, presence_penalty=0.5).choices[0].text
+    assert narrow == greedy
+
+
+def test_user_field_is_accepted(client, model_name):
+    reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2, user="someone")
+    assert reply.usage.completion_tokens <= 2

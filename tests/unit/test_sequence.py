@@ -1,0 +1,81 @@
+"""Incremental detokenization and stop handling, on the real tiny-model tokenizer."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from service.engine.base import SamplingParams
+from service.engine.sequence import IncrementalDetokenizer, SequenceOutput
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox jumps.", "naïve café — 東京 🙂 done", "  spaces\tand\nlines  "])
+def test_deltas_concatenate_to_the_full_decode(tokenizer, text):
+    prompt = tokenizer("Prompt:")["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in d for d in deltas), "no half characters are emitted"
+
+
+def run(tokenizer, text, eos=frozenset(), **params):
+    params.setdefault("max_tokens", 100)
+    seq = SequenceOutput(0, tokenizer, [], SamplingParams(**params), eos, params["max_tokens"])
+    deltas = []
+    for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        deltas.append(seq.append(token, None))
+        if seq.finished:
+            break
+    return seq, deltas
+
+
+def test_stop_string_truncates_and_is_never_emitted(tokenizer):
+    seq, deltas = run(tokenizer, "Bread is baked from flour and water.", stop=("flour",))
+    assert "".join(d.text for d in deltas) == "Bread is baked from "
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "flour"
+
+
+def test_stop_string_spanning_tokens_is_held_back(tokenizer):
+    seq, deltas = run(tokenizer, "one two three four", stop=("o th",))
+    assert "".join(d.text for d in deltas) == "one tw"
+    assert all("o th" not in d.text for d in deltas)
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    _, deltas = run(tokenizer, "alpha beta gamma", stop=("gamma", "beta"))
+    assert "".join(d.text for d in deltas) == "alpha " and deltas[-1].stop_reason == "beta"
+
+
+def test_max_tokens_gives_length_with_all_text(tokenizer):
+    text = "Seven days make one week"
+    seq, deltas = run(tokenizer, text, max_tokens=3)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:3]
+    assert deltas[-1].finish_reason == "length" and len(seq.token_ids) == 3
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids)
+
+
+def test_eos_stops_and_counts_but_shows_nothing(tokenizer):
+    eos = tokenizer.eos_token_id
+    seq = SequenceOutput(0, tokenizer, [], SamplingParams(max_tokens=10), frozenset({eos}), 10)
+    seq.append(tokenizer("Hi", add_special_tokens=False)["input_ids"][0], None)
+    last = seq.append(eos, None)
+    assert last.finish_reason == "stop" and last.text == "" and len(seq.token_ids) == 2
+
+
+def test_ignore_eos_and_stop_token_ids(tokenizer):
+    eos = tokenizer.eos_token_id
+    seq = SequenceOutput(0, tokenizer, [], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,)),
+                         frozenset({eos}), 10)
+    assert seq.append(eos, None).finish_reason is None
+    last = seq.append(7, None)
+    assert last.finish_reason == "stop" and last.stop_reason == 7
+
+
+def test_abort_flushes_held_text(tokenizer):
+    seq, deltas = run(tokenizer, "abc de", stop=("xyz-long",))
+    final = seq.finish("abort")
+    assert "".join(d.text for d in deltas) + final.text == "abc de" and final.finish_reason == "abort"
