@@ -1,8 +1,18 @@
-"""The in-process torch engine: transformers weights, generation on a worker thread.
+"""The in-process torch engine: transformers weights, continuous batching on a worker thread.
 
-Requests run one at a time in arrival order; the `n` choices of a request decode together as one
-batch sharing the prompt. The worker thread owns the model, so the event loop never waits on a
-forward pass; results cross back to the loop through each request's asyncio queue.
+Scheduling is per token step, as in vLLM and TGI. Each step of the worker thread:
+1. admits waiting requests while KV-cache slots are free (one slot per choice; `n` choices share
+   one prefill and copy its cache),
+2. prefills prompts in chunks of at most `PREFILL_CHUNK_TOKENS` tokens in total. Chunking (rather
+   than whole prompts, batched) bounds how long one step can take, so a long prompt delays the
+   running sequences' next token by at most one chunk of compute,
+3. decodes one token for every running sequence in one batched forward pass, each sequence at its
+   own position in its own cache slot (`LlamaRunner`),
+4. hands each request its new tokens; finished sequences free their slots at once, so a short
+   request never waits for a long one and a new one can join at the next step.
+
+The worker thread owns the model, so the event loop never waits on a forward pass; results cross
+back to the loop through each request's asyncio queue.
 """
 
 from __future__ import annotations
@@ -10,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -19,24 +29,44 @@ from pathlib import Path
 import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 QueueFullError)
+                                 QueueFullError, SamplingParams)
+from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
 from service.engine.sequence import SequenceOutput
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SUPPORTED_PRECISIONS = frozenset(DTYPES)
+PREFILL_CHUNK_TOKENS = 256
+MAX_CONSECUTIVE_FAILURES = 3  # forward passes failing in a row: the engine is broken, not a request
 
 
-@dataclass
+@dataclass(eq=False)
+class _Sequence:
+    """One choice of a request, bound to one KV-cache slot."""
+
+    state: _RequestState
+    output: SequenceOutput
+    generator: torch.Generator
+    slot: int
+    cached: int = 0  # tokens written to the slot's cache
+    next_token: int | None = None  # sampled, not yet in the cache
+
+
+@dataclass(eq=False)
 class _RequestState:
     request: GenerationRequest
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     aborted: bool = False
     done: bool = False
-    seqs: list[SequenceOutput] = field(default_factory=list)
+    seqs: list[_Sequence] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the leader's cache
+    error: EngineError | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -54,12 +84,13 @@ class TorchEngine(Engine):
         self.max_queue = max_queue
         self._load_tokenizer(max_model_len)
         self._waiting: deque[_RequestState] = deque()
-        self._running: _RequestState | None = None
+        self._active: list[_RequestState] = []
+        self._free_slots = list(range(max_num_seqs))
         self._cond = threading.Condition()
         self._stopping = False
         self._ready = False
         self._dead: str | None = None
-        self._kv_tokens = 0
+        self._failures = 0
         self._thread: threading.Thread | None = None
 
     def _load_tokenizer(self, max_model_len: int | None) -> None:
@@ -96,6 +127,9 @@ class TorchEngine(Engine):
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        self.runner = LlamaRunner(self.model, self.max_num_seqs, self.max_model_len)
+        log.info("KV cache: %d slots x %d tokens, %.1f MiB on %s", self.max_num_seqs, self.max_model_len,
+                 self.runner.cache_bytes / 2**20, self.device)
 
     @property
     def ready(self) -> bool:
@@ -104,13 +138,13 @@ class TorchEngine(Engine):
     async def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            for state in self._waiting:
+            for state in [*self._waiting, *self._active]:
                 state.aborted = True
             self._cond.notify_all()
         if self._thread:
             await asyncio.to_thread(self._thread.join, 30)
 
-    # -- requests --------------------------------------------------------------------------
+    # -- requests (event-loop side) --------------------------------------------------------
     def generate(self, request: GenerationRequest) -> AsyncIterator[list[ChoiceDelta]]:
         """Admit the request now (raising QueueFullError/EngineError at once), stream it later."""
         if not self.ready:
@@ -135,74 +169,154 @@ class TorchEngine(Engine):
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            states = list(self._waiting) + ([self._running] if self._running else [])
+            states = [s for s in (*self._waiting, *self._active) if s.request.request_id == request_id]
         for state in states:
-            if state.request.request_id == request_id:
-                self._abort_state(state)
+            self._abort_state(state)
 
     def _abort_state(self, state: _RequestState) -> None:
+        """Waiting requests leave at once; running ones are finished by the next step."""
         with self._cond:
             state.aborted = True
             if state in self._waiting:
                 self._waiting.remove(state)
                 state.done = True
+            self._cond.notify()
 
     def stats(self) -> EngineStats:
-        capacity = self.max_num_seqs * self.max_model_len
-        return EngineStats(running=1 if self._running else 0, waiting=len(self._waiting),
-                           max_num_seqs=self.max_num_seqs, kv_cache_usage=min(1.0, self._kv_tokens / capacity))
+        with self._cond:
+            active, waiting = list(self._active), len(self._waiting)
+        used = sum(seq.cached for state in active for seq in state.seqs)
+        return EngineStats(running=len(active), waiting=waiting, max_num_seqs=self.max_num_seqs,
+                           kv_cache_usage=min(1.0, used / (self.max_num_seqs * self.max_model_len)))
 
     # -- the worker thread -----------------------------------------------------------------
     def _worker(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._stopping:
-                    self._cond.wait()
-                if not self._waiting:
-                    return
-                state = self._running = self._waiting.popleft()
-            try:
-                with torch.inference_mode():
-                    self._run(state)
-            except Exception as exc:  # a failed forward fails this request only
-                log.exception("generation failed for request %s", state.request.request_id)
-                if unfinished := [seq.finish("error") for seq in state.seqs if not seq.finished]:
-                    state.emit(unfinished)
-                state.emit(EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
-            finally:
-                state.done = True
-                state.emit(None)
+        try:
+            while True:
                 with self._cond:
-                    self._running = None
-                self._kv_tokens = 0
+                    while not self._waiting and not self._active and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self._active:
+                        break
+                    self._admit()
+                with torch.inference_mode():
+                    self._step()
+        except Exception as exc:  # the scheduler itself broke: nothing it holds can be trusted
+            log.exception("torch engine loop died")
+            self._die(f"engine loop died: {type(exc).__name__}: {exc}")
+            return
+        self._die("the engine has shut down")  # whatever still waits is told so
 
-    def _run(self, state: _RequestState) -> None:
-        request, params = state.request, state.request.params
-        prompt = request.prompt_token_ids
-        max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-        state.seqs = [SequenceOutput(i, self.tokenizer, prompt, params, self.eos_ids, max_new) for i in range(params.n)]
-        generators = [make_generator(params, i, self.device) for i in range(params.n)]
-        input_ids = torch.tensor([prompt], device=self.device).expand(params.n, -1)
-        out = self.model(input_ids=input_ids, use_cache=True)
-        cache = out.past_key_values
-        while True:
-            self._kv_tokens = params.n * (len(prompt) + len(state.seqs[0].token_ids))
+    def _admit(self) -> None:
+        """Move waiting requests (in order) into the running batch while slots are free."""
+        while self._waiting and len(self._free_slots) >= self._waiting[0].params.n:
+            state = self._waiting.popleft()
+            params, prompt = state.params, state.request.prompt_token_ids
+            max_new = min(params.max_tokens, self.max_model_len - len(prompt))
+            for index in range(params.n):
+                output = SequenceOutput(index, self.tokenizer, prompt, params, self.eos_ids, max_new)
+                generator = make_generator(params, index, self.device)
+                state.seqs.append(_Sequence(state, output, generator, self._free_slots.pop()))
+            self._active.append(state)
+
+    def _step(self) -> None:
+        deltas: dict[_RequestState, list[ChoiceDelta]] = defaultdict(list)
+        for state in self._active:
             if state.aborted:
-                state.emit([seq.finish("abort") for seq in state.seqs if not seq.finished])
-                return
-            logits = out.logits[:, -1, :].float()
-            deltas, next_ids = [], []
-            for seq, generator, row in zip(state.seqs, generators, logits):
-                if seq.finished:
-                    next_ids.append(seq.token_ids[-1])
-                    continue
-                token = sample_token(process_logits(row, params, seq.token_ids), params, generator)
-                logprob = (token_logprob(row, token, params.logprobs, self._token_text)
+                deltas[state] += [seq.output.finish("abort") for seq in state.seqs if not seq.output.finished]
+        self._prefill(deltas)
+        self._decode(deltas)
+        for state, items in deltas.items():
+            if items:
+                state.emit(items)
+        self._release_finished()
+
+    def _prefill(self, deltas: dict) -> None:
+        budget = PREFILL_CHUNK_TOKENS
+        for state in self._active:
+            prompt = state.request.prompt_token_ids
+            if budget <= 0 or state.aborted or state.prefilled == len(prompt):
+                continue
+            leader = state.seqs[0]
+            chunk = prompt[state.prefilled:state.prefilled + budget]
+            try:
+                logits = self.runner.prefill(chunk, leader.slot, state.prefilled)
+            except Exception as exc:
+                self._fail([state], exc, deltas)
+                continue
+            state.prefilled += len(chunk)
+            budget -= len(chunk)
+            if state.prefilled < len(prompt):
+                continue
+            for seq in state.seqs:
+                if seq is not leader:
+                    self.runner.copy_slot(leader.slot, seq.slot, len(prompt))
+                seq.cached = len(prompt)
+            self._sample(state.seqs, logits.unsqueeze(0).expand(len(state.seqs), -1), deltas)
+
+    def _decode(self, deltas: dict) -> None:
+        batch = [seq for state in self._active if not state.aborted for seq in state.seqs
+                 if seq.next_token is not None and not seq.output.finished]
+        if not batch:
+            return
+        try:
+            logits = self.runner.decode([s.next_token for s in batch], [s.cached for s in batch], [s.slot for s in batch])
+        except Exception as exc:
+            self._fail(list({seq.state: None for seq in batch}), exc, deltas)
+            return
+        self._failures = 0
+        for seq in batch:
+            seq.cached += 1
+        self._sample(batch, logits, deltas)
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, deltas: dict) -> None:
+        """Each sequence samples with its own parameters and generator; greedy rows share one argmax."""
+        greedy = logits.argmax(dim=-1).tolist()
+        for row, seq in enumerate(seqs):
+            state, params = seq.state, seq.state.params
+            try:
+                if params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
+                    token = greedy[row]
+                else:
+                    token = sample_token(process_logits(logits[row], params, seq.output.token_ids), params, seq.generator)
+                logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)
-                deltas.append(seq.append(token, logprob))
-                next_ids.append(token)
-            state.emit(deltas)
-            if all(seq.finished for seq in state.seqs):
-                return
-            step = torch.tensor(next_ids, device=self.device).unsqueeze(1)
-            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+            except Exception as exc:  # e.g. a distribution with no finite value: this request only
+                self._fail([state], exc, deltas)
+                continue
+            seq.next_token = token
+            deltas[state].append(seq.output.append(token, logprob))
+
+    def _fail(self, states: list[_RequestState], exc: Exception, deltas: dict) -> None:
+        log.error("generation failed for %s: %s", [s.request.request_id for s in states], exc, exc_info=exc)
+        for state in states:
+            deltas[state] += [seq.output.finish("error") for seq in state.seqs if not seq.output.finished]
+            state.error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+        self._failures += 1
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._dead = f"{self._failures} forward passes failed in a row; last: {type(exc).__name__}: {exc}"
+
+    def _release_finished(self) -> None:
+        with self._cond:
+            for state in list(self._active):
+                if state.aborted or all(seq.output.finished for seq in state.seqs):
+                    self._active.remove(state)
+                    self._free_slots += [seq.slot for seq in state.seqs]
+                    state.done = True
+                    if state.error:
+                        state.emit(state.error)
+                    state.emit(None)
+        if self._dead:
+            self._die(self._dead)
+
+    def _die(self, reason: str) -> None:
+        """Fail everything in flight; readiness turns 503 and new requests are refused."""
+        self._dead = reason
+        with self._cond:
+            states = [*self._waiting, *self._active]
+            self._waiting.clear()
+            self._active.clear()
+        for state in states:
+            state.done = True
+            state.emit(EngineError(reason))
+            state.emit(None)

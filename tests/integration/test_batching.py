@@ -1,0 +1,176 @@
+"""Continuous batching in the torch engine, driven in-process with the real tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from factory.tinymodel import memorised_pairs
+from service.engine.base import EngineError, GenerationRequest, QueueFullError, SamplingParams
+from service.engine.torch_engine import TorchEngine
+
+PAIRS = memorised_pairs()
+_ids = itertools.count()
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=32)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+def request(engine: TorchEngine, prompt: str, **params) -> GenerationRequest:
+    ids = engine.tokenizer(prompt)["input_ids"]
+    return GenerationRequest(f"r{next(_ids)}", ids, SamplingParams(**params))
+
+
+async def collect(engine: TorchEngine, req: GenerationRequest) -> dict[int, list[int]]:
+    """Token ids per choice."""
+    tokens: dict[int, list[int]] = {}
+    async for deltas in engine.generate(req):
+        for d in deltas:
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+    return tokens
+
+
+def varied_requests(engine, count: int) -> list[GenerationRequest]:
+    """Different prompt lengths and different output lengths (max_tokens, or the natural stop)."""
+    reqs = []
+    for i in range(count):
+        prompt, _ = PAIRS[i]
+        reqs.append(request(engine, prompt * (1 + i % 3), temperature=0, max_tokens=5 + 7 * i,
+                            ignore_eos=i % 2 == 0))
+    return reqs
+
+
+async def test_greedy_outputs_do_not_change_in_a_batch(engine):
+    reqs = varied_requests(engine, 16)
+    alone = [await collect(engine, r) for r in reqs]
+    together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    assert together == alone
+    assert len({len(t[0]) for t in alone}) > 8, "the requests really differ in length"
+
+
+async def test_seeded_sampling_is_reproducible_in_mixed_batches(engine):
+    sampled = [request(engine, PAIRS[i][0], temperature=1.2, top_p=0.95, top_k=50, seed=100 + i, max_tokens=24,
+                       ignore_eos=True) for i in range(6)]
+    greedy = varied_requests(engine, 6)
+    alone = [await collect(engine, r) for r in sampled + greedy]
+    together = await asyncio.gather(*(collect(engine, r) for r in sampled + greedy))
+    assert together == alone
+    n_choices = request(engine, "The", temperature=1.0, seed=5, n=3, max_tokens=12, ignore_eos=True)
+    assert await collect(engine, n_choices) == (await asyncio.gather(collect(engine, n_choices), *(
+        collect(engine, r) for r in greedy)))[0]
+
+
+async def test_short_request_joins_and_leaves_while_a_long_one_runs(engine):
+    long = request(engine, "A", temperature=0, max_tokens=400, ignore_eos=True)
+    long_alone = await collect(engine, long)
+    progress: list[int] = []
+
+    async def run_long():
+        tokens = []
+        async for deltas in engine.generate(long):
+            tokens += [t for d in deltas for t in d.token_ids]
+            progress.append(len(tokens))
+        return {0: tokens}
+
+    task = asyncio.create_task(run_long())
+    while not progress or progress[-1] < 20:
+        await asyncio.sleep(0.001)
+    short = request(engine, PAIRS[3][0], temperature=0, max_tokens=30)
+    short_tokens = await collect(engine, short)
+    assert progress[-1] < 400, "the short request finished while the long one was still decoding"
+    assert engine.stats().running == 1
+    assert short_tokens == await collect(engine, short)
+    assert await task == long_alone
+
+
+async def test_abort_mid_batch_frees_the_slot_and_spares_the_others(engine):
+    survivor = request(engine, PAIRS[1][0], temperature=0, max_tokens=200, ignore_eos=True)
+    expected = await collect(engine, survivor)
+    victim = request(engine, "B", temperature=0, max_tokens=400, ignore_eos=True)
+    victim_stream = engine.generate(victim)
+    survivor_task = asyncio.create_task(collect(engine, survivor))
+    received = 0
+    async for deltas in victim_stream:
+        received += sum(len(d.token_ids) for d in deltas)
+        if received >= 5:
+            break
+    await victim_stream.aclose()  # what a client disconnect does
+    for _ in range(200):
+        if engine.stats().running <= 1:
+            break
+        await asyncio.sleep(0.001)
+    assert engine.stats().running <= 1
+    assert await survivor_task == expected
+    assert engine.stats().running == 0 and len(engine._free_slots) == engine.max_num_seqs
+
+
+async def test_requests_wait_for_slots_then_the_queue_refuses(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=2, max_queue=2)
+    await engine.start()
+    try:
+        reqs = [request(engine, "C", temperature=0, max_tokens=300, ignore_eos=True) for _ in range(5)]
+        running = [engine.generate(r) for r in reqs[:2]]
+        await asyncio.gather(*(anext(s) for s in running))  # both admitted: every slot is taken
+        waiting = [engine.generate(r) for r in reqs[2:4]]
+        assert engine.stats().running == 2 and engine.stats().waiting == 2
+        with pytest.raises(QueueFullError):
+            engine.generate(reqs[4])
+        for stream in running:  # finishing the running ones lets the waiting ones in
+            await stream.aclose()
+        assert all([await anext(s) for s in waiting])
+        for stream in waiting:
+            await stream.aclose()
+    finally:
+        await engine.shutdown()
+
+
+async def test_kv_cache_usage_moves_with_the_batch(engine):
+    assert engine.stats().kv_cache_usage == 0
+    seen = []
+    async for _ in engine.generate(request(engine, "D", temperature=0, max_tokens=300, n=4, ignore_eos=True)):
+        seen.append(engine.stats().kv_cache_usage)
+    assert max(seen) > seen[0] > 0
+    # 4 choices x ~300 tokens of a 32 x 512 cache
+    assert max(seen) == pytest.approx(4 * 301 / (32 * 512), abs=0.005)
+    assert engine.stats().kv_cache_usage == 0
+
+
+async def test_a_failing_request_fails_alone(engine, monkeypatch):
+    # Fault injection (a test double): a forward pass that raises cannot be caused with valid input.
+    real_prefill = engine.runner.prefill
+    poison = engine.tokenizer("poison")["input_ids"]
+
+    def prefill(tokens, slot, start):
+        if tokens == poison:
+            raise RuntimeError("injected prefill failure")
+        return real_prefill(tokens, slot, start)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    good = request(engine, PAIRS[2][0], temperature=0, max_tokens=20)
+    expected = await collect(engine, good)
+    bad = GenerationRequest("bad", poison, SamplingParams(max_tokens=5))
+    results = await asyncio.gather(collect(engine, good), collect(engine, bad), return_exceptions=True)
+    assert results[0] == expected
+    assert isinstance(results[1], EngineError) and "injected" in str(results[1])
+    assert engine.ready
+
+
+async def test_a_broken_engine_turns_unready(engine, monkeypatch):
+    # Fault injection (a test double): every decode fails, as on a GPU that has faulted.
+    def decode(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    for i in range(3):
+        with pytest.raises(EngineError):
+            await collect(engine, request(engine, f"E{i}", max_tokens=5, ignore_eos=True))
+    assert not engine.ready
+    with pytest.raises(EngineError, match="in a row"):
+        engine.generate(request(engine, "F"))
