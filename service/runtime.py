@@ -119,4 +119,5 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path) -> Engine
         max_model_len=engine_setting(settings, profile, "max_model_len", None),
         max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
         max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE),
+        cpu_threads=profile.engine_args.get("cpu_threads"),
     )

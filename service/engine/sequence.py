@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
+import json
+from collections.abc import Callable
+
 from service.engine.base import ChoiceDelta, SamplingParams, TokenLogprob
 
 # Prompt tokens kept as context when decoding the first output tokens, so tokenizers that drop a
@@ -42,14 +46,72 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
+class ByteLevelDetokenizer:
+    """The same text as `IncrementalDetokenizer` for byte-level BPE vocabularies, at O(1) a token.
+
+    Each token stands for fixed bytes, so a table from id to bytes and an incremental UTF-8 decoder
+    replace two `decode()` calls per token.
+    """
+
+    def __init__(self, table: list[bytes]) -> None:
+        self.table = table
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self.decoder.decode(self.table[token_id])
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, which byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def byte_level_table(tokenizer) -> list[bytes] | None:
+    """Id -> bytes for tokenizers whose decode() is plain byte-level; None where it is not."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    added = tokenizer.added_tokens_decoder
+    table = []
+    for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token_id in added:  # added tokens hold plain text; special ones are skipped when decoding
+            table.append(b"" if added[token_id].special else added[token_id].content.encode())
+        elif piece is None or any(char not in to_byte for char in piece):
+            return None
+        else:
+            table.append(bytes(to_byte[char] for char in piece))
+    return table
+
+
+def detokenizer_factory(tokenizer) -> Callable[[list[int]], IncrementalDetokenizer | ByteLevelDetokenizer]:
+    """Pick the fastest exact detokenizer for this tokenizer once; call the result per sequence."""
+    table = byte_level_table(tokenizer)
+    if table is not None:
+        return lambda prompt_ids: ByteLevelDetokenizer(table)
+    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+
+
 class SequenceOutput:
     """One choice of a request: its tokens, text, and when it stops (stop strings held back)."""
 
-    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 eos_ids: frozenset[int], max_new_tokens: int) -> None:
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer,
+                 params: SamplingParams, eos_ids: frozenset[int], max_new_tokens: int) -> None:
         self.index = index
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detok = detokenizer
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.max_new_tokens = max_new_tokens
         self.token_ids: list[int] = []

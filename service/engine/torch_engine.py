@@ -18,7 +18,9 @@ back to the loop through each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -32,7 +34,7 @@ from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, 
                                  QueueFullError, SamplingParams)
 from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
-from service.engine.sequence import SequenceOutput
+from service.engine.sequence import SequenceOutput, detokenizer_factory
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,16 @@ class _RequestState:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(batch: list[tuple[_RequestState, list[ChoiceDelta]]]) -> None:
+    """Runs on the event loop: hand each request its step's deltas."""
+    for state, items in batch:
+        state.queue.put_nowait(items)
+
+
 class TorchEngine(Engine):
     def __init__(self, model_dir: Path, *, device: str = "cpu", precision: str = "fp32",
-                 max_model_len: int | None = None, max_num_seqs: int = 32, max_queue: int = 256) -> None:
+                 max_model_len: int | None = None, max_num_seqs: int = 32, max_queue: int = 256,
+                 cpu_threads: int | None = None) -> None:
         if precision not in DTYPES:
             raise ValueError(f"the torch engine runs {', '.join(DTYPES)}; not {precision!r}")
         self.model_dir = Path(model_dir)
@@ -82,10 +91,13 @@ class TorchEngine(Engine):
         self.dtype = DTYPES[precision]
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
+        # On CPU the forward pass leaves one core to the event loop: with every core in torch's
+        # pool, its threads and the HTTP side preempt each other and each step takes twice as long.
+        self.cpu_threads = cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
         self._load_tokenizer(max_model_len)
         self._waiting: deque[_RequestState] = deque()
         self._active: list[_RequestState] = []
-        self._free_slots = list(range(max_num_seqs))
+        self._free_slots = list(range(max_num_seqs))  # a heap: the lowest free slot first
         self._cond = threading.Condition()
         self._stopping = False
         self._ready = False
@@ -112,6 +124,7 @@ class TorchEngine(Engine):
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos_ids)
         self._token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
+        self._detokenizer = detokenizer_factory(self.tokenizer)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,8 +171,14 @@ class TorchEngine(Engine):
         return self._stream(state)
 
     async def _stream(self, state: _RequestState) -> AsyncIterator[list[ChoiceDelta]]:
+        """Yield the request's deltas; when the consumer falls behind, several steps come as one list."""
         try:
-            while (item := await state.queue.get()) is not None:
+            while True:
+                item = await state.queue.get()
+                while isinstance(item, list) and not state.queue.empty() and isinstance(state.queue._queue[0], list):
+                    item = item + state.queue.get_nowait()
+                if item is None:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -191,6 +210,8 @@ class TorchEngine(Engine):
 
     # -- the worker thread -----------------------------------------------------------------
     def _worker(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)  # per thread: the rest of the process keeps its own
         try:
             while True:
                 with self._cond:
@@ -214,9 +235,9 @@ class TorchEngine(Engine):
             params, prompt = state.params, state.request.prompt_token_ids
             max_new = min(params.max_tokens, self.max_model_len - len(prompt))
             for index in range(params.n):
-                output = SequenceOutput(index, self.tokenizer, prompt, params, self.eos_ids, max_new)
+                output = SequenceOutput(index, self._detokenizer(prompt), params, self.eos_ids, max_new)
                 generator = make_generator(params, index, self.device)
-                state.seqs.append(_Sequence(state, output, generator, self._free_slots.pop()))
+                state.seqs.append(_Sequence(state, output, generator, heapq.heappop(self._free_slots)))
             self._active.append(state)
 
     def _step(self) -> None:
@@ -226,41 +247,61 @@ class TorchEngine(Engine):
                 deltas[state] += [seq.output.finish("abort") for seq in state.seqs if not seq.output.finished]
         self._prefill(deltas)
         self._decode(deltas)
-        for state, items in deltas.items():
-            if items:
-                state.emit(items)
+        ready = [(state, items) for state, items in deltas.items() if items]
+        if ready:
+            # One wake-up of the event loop per step, however many requests got tokens.
+            ready[0][0].loop.call_soon_threadsafe(_deliver, ready)
         self._release_finished()
 
     def _prefill(self, deltas: dict) -> None:
-        budget = PREFILL_CHUNK_TOKENS
+        """The next prompt chunks of every request still prefilling, within one step's token budget."""
+        budget, work = PREFILL_CHUNK_TOKENS, []
         for state in self._active:
             prompt = state.request.prompt_token_ids
             if budget <= 0 or state.aborted or state.prefilled == len(prompt):
                 continue
-            leader = state.seqs[0]
             chunk = prompt[state.prefilled:state.prefilled + budget]
-            try:
-                logits = self.runner.prefill(chunk, leader.slot, state.prefilled)
-            except Exception as exc:
-                self._fail([state], exc, deltas)
-                continue
-            state.prefilled += len(chunk)
+            work.append((state, chunk))
             budget -= len(chunk)
-            if state.prefilled < len(prompt):
+        if not work:
+            return
+        for (state, chunk), logits in self._prefill_forward(work, deltas):
+            state.prefilled += len(chunk)
+            if state.prefilled < len(state.request.prompt_token_ids):
                 continue
+            leader = state.seqs[0]
             for seq in state.seqs:
                 if seq is not leader:
-                    self.runner.copy_slot(leader.slot, seq.slot, len(prompt))
-                seq.cached = len(prompt)
+                    self.runner.copy_slot(leader.slot, seq.slot, state.prefilled)
+                seq.cached = state.prefilled
             self._sample(state.seqs, logits.unsqueeze(0).expand(len(state.seqs), -1), deltas)
 
+    def _prefill_forward(self, work: list, deltas: dict) -> list:
+        """One forward for all chunks; if it fails, each chunk alone, so only a bad request fails."""
+        def run(items):
+            return self.runner.forward([(chunk, state.seqs[0].slot, state.prefilled) for state, chunk in items])
+
+        try:
+            return list(zip(work, run(work)))
+        except Exception as exc:
+            if len(work) == 1:
+                self._fail([work[0][0]], exc, deltas)
+                return []
+        done = []
+        for item in work:
+            try:
+                done.append((item, run([item])[0]))
+            except Exception as exc:
+                self._fail([item[0]], exc, deltas)
+        return done
+
     def _decode(self, deltas: dict) -> None:
-        batch = [seq for state in self._active if not state.aborted for seq in state.seqs
-                 if seq.next_token is not None and not seq.output.finished]
+        batch = sorted((seq for state in self._active if not state.aborted for seq in state.seqs
+                        if seq.next_token is not None and not seq.output.finished), key=lambda seq: seq.slot)
         if not batch:
             return
         try:
-            logits = self.runner.decode([s.next_token for s in batch], [s.cached for s in batch], [s.slot for s in batch])
+            logits = self.runner.forward([([s.next_token], s.slot, s.cached) for s in batch])
         except Exception as exc:
             self._fail(list({seq.state: None for seq in batch}), exc, deltas)
             return
@@ -301,7 +342,8 @@ class TorchEngine(Engine):
             for state in list(self._active):
                 if state.aborted or all(seq.output.finished for seq in state.seqs):
                     self._active.remove(state)
-                    self._free_slots += [seq.slot for seq in state.seqs]
+                    for seq in state.seqs:
+                        heapq.heappush(self._free_slots, seq.slot)
                     state.done = True
                     if state.error:
                         state.emit(state.error)

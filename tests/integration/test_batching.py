@@ -144,15 +144,15 @@ async def test_kv_cache_usage_moves_with_the_batch(engine):
 
 async def test_a_failing_request_fails_alone(engine, monkeypatch):
     # Fault injection (a test double): a forward pass that raises cannot be caused with valid input.
-    real_prefill = engine.runner.prefill
+    real_forward = engine.runner.forward
     poison = engine.tokenizer("poison")["input_ids"]
 
-    def prefill(tokens, slot, start):
-        if tokens == poison:
+    def forward(chunks):
+        if any(tokens == poison for tokens, _, _ in chunks):
             raise RuntimeError("injected prefill failure")
-        return real_prefill(tokens, slot, start)
+        return real_forward(chunks)
 
-    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    monkeypatch.setattr(engine.runner, "forward", forward)
     good = request(engine, PAIRS[2][0], temperature=0, max_tokens=20)
     expected = await collect(engine, good)
     bad = GenerationRequest("bad", poison, SamplingParams(max_tokens=5))
@@ -164,10 +164,13 @@ async def test_a_failing_request_fails_alone(engine, monkeypatch):
 
 async def test_a_broken_engine_turns_unready(engine, monkeypatch):
     # Fault injection (a test double): every decode fails, as on a GPU that has faulted.
-    def decode(*_):
-        raise RuntimeError("device lost")
+    def forward(chunks):
+        if all(len(tokens) == 1 for tokens, _, _ in chunks):  # decode steps only
+            raise RuntimeError("device lost")
+        return real_forward(chunks)
 
-    monkeypatch.setattr(engine.runner, "decode", decode)
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", forward)
     for i in range(3):
         with pytest.raises(EngineError):
             await collect(engine, request(engine, f"E{i}", max_tokens=5, ignore_eos=True))

@@ -4,7 +4,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from service.engine.base import SamplingParams
-from service.engine.sequence import IncrementalDetokenizer, SequenceOutput
+from service.engine.sequence import (ByteLevelDetokenizer, IncrementalDetokenizer, SequenceOutput,
+                                     byte_level_table, detokenizer_factory)
 
 
 @pytest.fixture(scope="module")
@@ -12,19 +13,42 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.mark.parametrize("text", ["The quick brown fox jumps.", "naïve café — 東京 🙂 done", "  spaces\tand\nlines  "])
-def test_deltas_concatenate_to_the_full_decode(tokenizer, text):
+TEXTS = ["The quick brown fox jumps.", "naïve café — 東京 🙂 done", "  spaces\tand\nlines  "]
+
+
+@pytest.mark.parametrize("kind", ["general", "byte-level"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_the_full_decode(tokenizer, text, kind):
     prompt = tokenizer("Prompt:")["input_ids"]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = (IncrementalDetokenizer(tokenizer, prompt) if kind == "general"
+             else ByteLevelDetokenizer(byte_level_table(tokenizer)))
     deltas = [detok.add(i) for i in ids] + [detok.flush()]
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
     assert all("\ufffd" not in d for d in deltas), "no half characters are emitted"
 
 
+def test_byte_level_table_matches_decode_for_every_token(tokenizer):
+    table = byte_level_table(tokenizer)
+    assert table is not None and len(table) == len(tokenizer)
+    for token_id in range(len(tokenizer)):
+        expected = tokenizer.decode([token_id], skip_special_tokens=True)
+        assert table[token_id].decode("utf-8", errors="replace") == expected, token_id
+
+
+def test_special_tokens_show_no_text(tokenizer):
+    detok = detokenizer_factory(tokenizer)([])
+    assert isinstance(detok, ByteLevelDetokenizer)
+    assert detok.add(tokenizer.eos_token_id) == "" and detok.add(tokenizer.convert_tokens_to_ids("<|user|>")) == ""
+
+
+def make_sequence(tokenizer, params: SamplingParams, eos=frozenset()) -> SequenceOutput:
+    return SequenceOutput(0, detokenizer_factory(tokenizer)([]), params, eos, params.max_tokens)
+
+
 def run(tokenizer, text, eos=frozenset(), **params):
     params.setdefault("max_tokens", 100)
-    seq = SequenceOutput(0, tokenizer, [], SamplingParams(**params), eos, params["max_tokens"])
+    seq = make_sequence(tokenizer, SamplingParams(**params), eos)
     deltas = []
     for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
         deltas.append(seq.append(token, None))
@@ -60,7 +84,7 @@ def test_max_tokens_gives_length_with_all_text(tokenizer):
 
 def test_eos_stops_and_counts_but_shows_nothing(tokenizer):
     eos = tokenizer.eos_token_id
-    seq = SequenceOutput(0, tokenizer, [], SamplingParams(max_tokens=10), frozenset({eos}), 10)
+    seq = make_sequence(tokenizer, SamplingParams(max_tokens=10), frozenset({eos}))
     seq.append(tokenizer("Hi", add_special_tokens=False)["input_ids"][0], None)
     last = seq.append(eos, None)
     assert last.finish_reason == "stop" and last.text == "" and len(seq.token_ids) == 2
@@ -68,8 +92,8 @@ def test_eos_stops_and_counts_but_shows_nothing(tokenizer):
 
 def test_ignore_eos_and_stop_token_ids(tokenizer):
     eos = tokenizer.eos_token_id
-    seq = SequenceOutput(0, tokenizer, [], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,)),
-                         frozenset({eos}), 10)
+    seq = make_sequence(tokenizer, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,)),
+                        frozenset({eos}))
     assert seq.append(eos, None).finish_reason is None
     last = seq.append(7, None)
     assert last.finish_reason == "stop" and last.stop_reason == 7

@@ -1,0 +1,78 @@
+"""The batched runner computes what transformers computes, chunk by chunk and slot by slot."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from service.engine.llama_runner import LlamaRunner, UnsupportedModel
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return tokenizer, model, LlamaRunner(model, num_slots=8, max_len=512)
+
+
+def reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_chunked_prefill_then_decode_matches_transformers(setup):
+    tokenizer, model, runner = setup
+    ids = tokenizer("The capital of France is Paris, a city on the river Seine.")["input_ids"]
+    expected = reference(model, ids)
+    with torch.inference_mode():
+        first = runner.forward([(ids[:4], 3, 0)])[0]
+        second = runner.forward([(ids[4:9], 3, 4)])[0]
+        steps = [runner.forward([([ids[p]], 3, p)])[0] for p in range(9, len(ids))]
+    assert torch.allclose(first, expected[3], atol=ATOL)
+    assert torch.allclose(second, expected[8], atol=ATOL)
+    for offset, logits in enumerate(steps):
+        assert torch.allclose(logits, expected[9 + offset], atol=ATOL)
+
+
+def test_mixed_batch_of_chunks_and_positions(setup):
+    tokenizer, model, runner = setup
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+    b = tokenizer("Tea")["input_ids"]
+    with torch.inference_mode():
+        runner.forward([(a[:6], 0, 0)])
+        logits = runner.forward([(a[6:], 0, 6), (b, 5, 0)])  # a continues while b starts
+    assert torch.allclose(logits[0], reference(model, a)[-1], atol=ATOL)
+    assert torch.allclose(logits[1], reference(model, b)[-1], atol=ATOL)
+
+
+def test_copied_slot_continues_like_the_original(setup):
+    tokenizer, model, runner = setup
+    ids = tokenizer("Seven days make one week")["input_ids"]
+    with torch.inference_mode():
+        runner.forward([(ids[:-1], 1, 0)])
+        runner.copy_slot(1, 2, len(ids) - 1)
+        logits = runner.forward([([ids[-1]], 1, len(ids) - 1), ([ids[-1]], 2, len(ids) - 1)])
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+    assert torch.allclose(logits[0], reference(model, ids)[-1], atol=ATOL)
+
+
+def test_fused_projections_leave_the_model_intact(setup):
+    tokenizer, model, runner = setup
+    attention = model.model.layers[0].self_attn
+    qkv = runner.fused[0][0]
+    assert attention.q_proj.weight.data_ptr() == qkv.data_ptr(), "views, not copies"
+    ids = tokenizer("Bread is baked")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
+    assert tokenizer.decode(out[0, len(ids):]) == " from flour, water"
+
+
+def test_unsupported_architecture_is_refused(setup):
+    _, model, _ = setup
+    model.config.model_type = "gpt2"
+    try:
+        with pytest.raises(UnsupportedModel, match="gpt2"):
+            LlamaRunner(model, 1, 16)
+    finally:
+        model.config.model_type = "llama"
