@@ -1,37 +1,212 @@
-"""The `inferkiln` command line: thin Typer commands over keyword-only functions."""
+"""The `inferkiln` command line: thin Typer commands over the stage functions.
+
+Exit codes: 0 success, 1 a check failed (tests, lint, build, push), 2 bad input (spec, flags).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+
 app = typer.Typer(help="inferkiln: a factory for OpenAI-compatible LLM inference microservices.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+chart_app = typer.Typer(help="Render, lint and package the per-model Helm chart.", invoke_without_command=True)
+app.add_typer(chart_app, name="chart")
+
+Spec = Annotated[Path, typer.Argument(help="A model spec (pipelines/models/*.yaml).")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def load(path: Path):
+    from factory.spec import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        for line in exc.lines:
+            typer.echo(line, err=True)
+        raise typer.Exit(2) from None
+
+
+def checked(work):
+    """Run a stage, turning the factory's domain errors into one line and exit code 1."""
+    from factory.chart import ChartError
+    from factory.container import ContainerError
+    from factory.images import BuildError
+    from factory.publish import PublishError
+    from factory.stack import StackError
+
+    try:
+        return work()
+    except (BuildError, ChartError, ContainerError, PublishError, StackError) as exc:
+        raise fail(str(exc)) from None
+
+
+def emit(result: dict, as_json: bool, text: str) -> None:
+    typer.echo(json.dumps(result, indent=2) if as_json else text)
+
+
+@app.command()
+def validate(specs: Annotated[list[Path], typer.Argument(help="Model specs to check.")]) -> None:
+    """Check model specs; errors name the file, the field and the allowed values."""
+    for path in specs:
+        loaded = load(path)
+        typer.echo(f"{path}: ok ({loaded.spec.metadata.name} {loaded.spec.metadata.version})")
+
+
+@app.command()
+def render(spec: Spec, out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write.")] = Path("build/render")) -> None:
+    """Write the build contexts (Dockerfiles, manifest, wheel list) and the chart; build nothing."""
+    from factory.stages import render as render_stage
+
+    paths = checked(lambda: render_stage(load(spec), out))
+    for kind, path in paths.items():
+        typer.echo(f"{kind}: {path}")
+
+
+@app.command()
+def build(spec: Spec, as_json: JsonFlag = False) -> None:
+    """Build the runtime and model images through the Docker Engine API."""
+    from factory.stages import build as build_stage, built_summary
+
+    runtime, model = checked(lambda: build_stage(load(spec), say))
+    result = {"runtime": built_summary(runtime), "model": built_summary(model)}
+    emit(result, as_json, f"{model.reference} {model.image_id}" + ("" if model.built else " (unchanged)"))
+
+
+@app.command("base-image")
+def base_image() -> None:
+    """Bootstrap the Debian bookworm + Python base image from Debian packages (cached by tag)."""
+    from factory.images import ensure_base_image
+    from factory.stack import docker_client
+
+    typer.echo(checked(lambda: ensure_base_image(docker_client(), say)))
+
+
+@chart_app.callback()
+def chart(ctx: typer.Context,
+          spec: Annotated[Path | None, typer.Argument(help="A model spec.")] = None,
+          out: Annotated[Path, typer.Option("-o", "--out", help="Where the package goes.")] = Path("build/charts")) -> None:
+    """Render, lint and package the model's chart; the package path is the last line."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if spec is None:
+        raise fail("give a spec: inferkiln chart SPEC", 2)
+    from factory.stages import chart as chart_stage
+
+    typer.echo(str(checked(lambda: chart_stage(load(spec), out))))
+
+
+@app.command()
+def test(spec: Spec, output: Annotated[Path | None, typer.Option("--output", help="Report directory.")] = None,
+         as_json: JsonFlag = False) -> None:
+    """Start the built image as the chart's pod would and check it; write a report. Exit 1 on failure."""
+    from factory.stages import run_tests
+
+    result, report_dir = checked(lambda: run_tests(load(spec), output, say))
+    emit(result, as_json, f"{result['summary']}; report: {report_dir / 'report.md'}")
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def publish(spec: Spec, registry: Annotated[str, typer.Option(help="HOST[:PORT] of an OCI registry.")] = "127.0.0.1:5000",
+            force: Annotated[bool, typer.Option("--force", help="Publish although the tests failed (recorded).")] = False,
+            as_json: JsonFlag = False) -> None:
+    """Push image and chart to the registry and record the release; all or nothing."""
+    from factory.publish import publish as publish_stage
+    from factory.stack import docker_client
+    from factory.stages import build as build_stage, tests_for
+
+    loaded = load(spec)
+
+    def work():
+        client = docker_client()
+        _, model = build_stage(loaded, say)
+        tests = tests_for(loaded, model, say)
+        return publish_stage(client, loaded, model.reference, registry, tests, say, force=force)
+
+    release = checked(work)
+    emit(release.model_dump(), as_json, f"{release.image.reference}@{release.image.digest}\n"
+                                        f"{release.chart.reference}@{release.chart.digest}")
+
+
+@app.command("catalog")
+def catalog_command(as_json: JsonFlag = False) -> None:
+    """List the published releases."""
+    from factory.catalog import releases
+
+    entries = releases()
+    if as_json:
+        typer.echo(json.dumps([r.model_dump() for r in entries], indent=2))
+        return
+    for r in entries:
+        flag = " (forced)" if r.forced else ""
+        typer.echo(f"{r.time}  {r.name} {r.version}  {r.image.reference}@{r.image.digest[:19]}  "
+                   f"chart {r.chart.reference}  tests: {r.tests.get('summary', '?')}{flag}")
+
+
+@app.command("stack")
+def stack_command(registry: Annotated[str, typer.Option(help="Address of the local registry.")] = "127.0.0.1:5000") -> None:
+    """Start (or find) dockerd, the local registry and helm; idempotent."""
+    from factory.stack import stack_up
+
+    for part, value in checked(lambda: stack_up(registry)).items():
+        typer.echo(f"{part}: {value}")
+
+
+@app.command("run")
+def run_pipeline(pipeline: Annotated[Path, typer.Argument(help="A pipeline file (pipelines/*.yaml).")]) -> None:
+    """Run a pipeline file's stages for each of its specs."""
+    from factory.pipeline import PipelineError, load_pipeline, run
+
+    try:
+        loaded = load_pipeline(pipeline)
+    except PipelineError as exc:
+        raise fail(str(exc), 2) from None
+    results = checked(lambda: run(loaded, say))
+    for line in results:
+        typer.echo(line)
+    if any(line.startswith("FAIL") for line in results):
+        raise typer.Exit(1)
 
 
 @app.command("tiny-model")
-def tiny_model(
-    out: Annotated[Path | None, typer.Option("--out", help="Directory to write; default: the cache.")] = None,
-) -> None:
+def tiny_model(out: Annotated[Path | None, typer.Option("--out", help="Directory to write; default: the cache.")] = None) -> None:
     """Make (or reuse from its cache) the bundled tiny model; print its directory last."""
     from factory.tinymodel import ensure_tiny_model
 
-    typer.echo("making the tiny model (cached after the first run)...", err=True)
+    say("making the tiny model (cached after the first run)...")
     typer.echo(str(ensure_tiny_model(out)))
 
 
 @app.command()
-def demo(
-    port: Annotated[int, typer.Option(help="Port for the demo service.")] = 8000,
-    once: Annotated[bool, typer.Option("--once", help="Exit after the check instead of serving on.")] = False,
-) -> None:
-    """Serve the bundled tiny model, check it with the OpenAI client, print a curl line."""
+def demo(registry: Annotated[str, typer.Option(help="The local registry to publish to.")] = "127.0.0.1:5000",
+         keep: Annotated[bool, typer.Option("--keep/--no-keep", help="Leave the model running and print a curl line.")] = True) -> None:
+    """The whole path on the bundled tiny model: stack, build, chart, test, publish; prints the report."""
     from factory.demo import run_demo
 
-    raise typer.Exit(run_demo(port=port, once=once, echo=typer.echo))
+    raise typer.Exit(checked(lambda: run_demo(registry=registry, keep=keep, echo=typer.echo, progress=say)))
 
 
 def main() -> None:
-    app()
+    app(prog_name="inferkiln")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,45 +1,91 @@
-"""`inferkiln demo`: the main job on the embedded default model.
+"""`inferkiln demo`: the whole path on the embedded default model.
 
-Today it serves the bundled tiny model with the runtime and checks it with the official OpenAI
-client; the factory stages (image build, chart, harness, publish) join it as they land.
+The bundled tiny model, the local stack (dockerd, registry, helm), the runtime and model images,
+the chart, the tests against the running container, publication to the local registry, and a
+report; then the model keeps running so the printed curl line works.
 """
 
 from __future__ import annotations
 
-import tempfile
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from factory.tinymodel import ensure_tiny_model, memorised_pairs
+from factory.paths import repo_root
+
+SPEC = "pipelines/models/tiny-llama.yaml"
+DEMO_CONTAINER = "inferkiln-demo"
 
 
-def run_demo(*, port: int, once: bool, echo: Callable[[str], None]) -> int:
-    from openai import OpenAI
+def run_demo(*, registry: str, keep: bool, echo: Callable[[str], None], progress: Callable[[str], None]) -> int:
+    from factory.publish import publish
+    from factory.spec import load_spec
+    from factory.stack import docker_client, stack_up
+    from factory.stages import build, chart, run_tests
+    from factory.tinymodel import ensure_tiny_model
 
-    from service.launcher import ServerProcess
+    root = repo_root()
+    report_dir = root / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    timings: dict[str, float] = {}
 
-    echo("1/3 making the tiny model (cached after the first run)...")
-    model_dir = ensure_tiny_model()
-    log_path = Path(tempfile.mkdtemp(prefix="inferkiln-demo-")) / "service.log"
-    echo(f"2/3 starting the runtime on port {port} (log: {log_path})...")
-    with ServerProcess(["--model", str(model_dir)], port=port, log_path=log_path) as server:
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        model = client.models.list().data[0].id
-        prompt, expected = memorised_pairs()[0]
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                               temperature=0, max_tokens=32)
-        answer = reply.choices[0].message.content
-        echo(f"3/3 chat check: {prompt!r} -> {answer!r} ({'ok' if answer == expected.strip() else 'MISMATCH'})")
-        echo("try it:")
-        echo(f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
-             f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{prompt}\"}}], "
-             "\"temperature\": 0}'")
-        if answer != expected.strip():
-            return 1
-        if not once:
-            echo("serving until Ctrl-C...")
-            try:
-                server.proc.wait()
-            except KeyboardInterrupt:
-                pass
+    def step(name: str, work):
+        echo(f"==> {name}")
+        start = time.perf_counter()
+        result = work()
+        timings[name] = round(time.perf_counter() - start, 2)
+        return result
+
+    step("tiny model", lambda: ensure_tiny_model(root / "build" / "tiny-llama"))
+    parts = step("local stack", lambda: stack_up(registry))
+    loaded = load_spec(root / SPEC)
+    runtime, model = step("build images", lambda: build(loaded, progress))
+    package = step("chart", lambda: chart(loaded, root / "build" / "charts", model.reference))
+    tests, test_dir = step("test", lambda: run_tests(loaded, report_dir / "tests", progress))
+    release = None
+    if tests["passed"]:
+        release = step("publish", lambda: publish(docker_client(), loaded, model.reference, registry, tests, progress))
+    summary = {"stack": parts, "runtime_image": runtime.reference, "model_image": model.reference,
+               "chart_package": str(package), "tests": tests, "timings_s": timings,
+               "release": release.model_dump() if release else None}
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "report.json").write_text(json.dumps(summary, indent=2, default=str))
+    (report_dir / "report.md").write_text(_markdown(summary, test_dir))
+    echo(f"report: {report_dir / 'report.md'}")
+    if not tests["passed"]:
+        echo(f"tests failed ({tests['summary']}); nothing was published")
+        return 1
+    echo(f"published: {release.image.reference}@{release.image.digest}")
+    echo(f"           {release.chart.reference}@{release.chart.digest}")
+    if keep:
+        url = _serve(model.reference)
+        echo(f"the model is running at {url} (stop it: docker rm -f {DEMO_CONTAINER}); try:")
+        echo(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+             "-d '{\"model\": \"tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": "
+             "\"The capital of France is Paris,\"}], \"temperature\": 0}'")
     return 0
+
+
+def _serve(reference: str) -> str:
+    from factory.container import start_model
+    from factory.stack import docker_client
+
+    client = docker_client()
+    for old in client.containers.list(all=True, filters={"name": DEMO_CONTAINER}):
+        old.remove(force=True)
+    running = start_model(client, reference)
+    running.container.rename(DEMO_CONTAINER)
+    return running.url
+
+
+def _markdown(summary: dict, test_dir: Path) -> str:
+    rows = "".join(f"| {c['id']} | {'pass' if c['passed'] else 'FAIL'} | {c['detail'][:100]} |\n"
+                   for c in summary["tests"]["checks"])
+    timings = "".join(f"| {name} | {seconds} |\n" for name, seconds in summary["timings_s"].items())
+    release = summary["release"]
+    published = (f"- image `{release['image']['reference']}@{release['image']['digest']}`\n"
+                 f"- chart `{release['chart']['reference']}@{release['chart']['digest']}`\n") if release else "- nothing\n"
+    return (f"# inferkiln demo\n\n## Images\n- runtime `{summary['runtime_image']}`\n- model `{summary['model_image']}`\n"
+            f"- chart package `{summary['chart_package']}`\n\n## Tests ({summary['tests']['summary']})\n\n"
+            f"| check | result | detail |\n|---|---|---|\n{rows}\nDetails: `{test_dir}`\n\n"
+            f"## Published\n{published}\n## Timings\n\n| step | seconds |\n|---|---|\n{timings}")

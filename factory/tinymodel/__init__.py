@@ -78,24 +78,45 @@ def default_cache_root() -> Path:
 
 
 def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Path:
-    """Return a directory holding the tiny model, training it only when no valid copy exists."""
+    """Return a directory holding the tiny model, training it only when no valid copy exists.
+
+    The model is built once into the cache; `out` gets a copy of the cached build.
+    """
     digest = recipe_digest(recipe)
-    target = Path(out) if out else default_cache_root() / "models" / digest[:16] / MODEL_NAME
-    if _is_complete(target, digest):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=target.parent))
+    cached = default_cache_root() / "models" / digest[:16] / MODEL_NAME
+    if not _is_complete(cached, digest):
+        _build_into(cached, recipe, digest)
+    if out is None:
+        return cached
+    out = Path(out)
+    if not _is_complete(out, digest):
+        staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=_parent(out)))
+        shutil.copytree(cached, staging, dirs_exist_ok=True)
+        _replace(staging, out)
+    return out
+
+
+def _parent(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent
+
+
+def _build_into(target: Path, recipe: Recipe, digest: str) -> None:
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=_parent(target)))
     try:
         from factory.tinymodel.train import build_model
 
         build_model(staging, recipe)
         (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        _replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _replace(staging: Path, target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
 
 
 def _is_complete(path: Path, digest: str) -> bool:

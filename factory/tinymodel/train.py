@@ -22,6 +22,8 @@ def build_model(out: Path, recipe: Recipe) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(out)
+    for path in out.iterdir():
+        path.chmod(0o644)  # weights are data for any user, the non-root user of an image included
 
 
 def train_tokenizer(recipe: Recipe) -> PreTrainedTokenizerFast:

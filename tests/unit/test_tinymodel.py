@@ -15,13 +15,15 @@ def test_recipe_digest_changes_with_the_recipe():
     assert recipe_digest(Recipe()) != recipe_digest(Recipe(seed=1))
 
 
-def test_training_is_deterministic_and_cached(tmp_path):
+def test_training_is_deterministic_and_cached(tmp_path, monkeypatch):
     quick = Recipe(train_steps=3, hidden_size=32, intermediate_size=64, num_layers=1)
+    monkeypatch.setenv("INFERKILN_CACHE", str(tmp_path / "cache-a"))
 
     def weights_digest(path):
         return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
     first = ensure_tiny_model(tmp_path / "a", quick)
+    monkeypatch.setenv("INFERKILN_CACHE", str(tmp_path / "cache-b"))  # a second, independent training
     second = ensure_tiny_model(tmp_path / "b", quick)
     assert weights_digest(first) == weights_digest(second)
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()

@@ -1,0 +1,38 @@
+{{/*
+Usage: {{ include "nim-llm.name" . }}
+*/}}
+{{- define "nim-llm.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Usage: {{ include "nim-llm.fullname" . }}
+*/}}
+{{- define "nim-llm.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels: name and instance only, since selectors cannot change after install.
+Usage: {{ include "nim-llm.selectorLabels" . }}
+*/}}
+{{- define "nim-llm.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "nim-llm.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Usage: {{ include "nim-llm.labels" . }}
+*/}}
+{{- define "nim-llm.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "nim-llm.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: inference
+app.kubernetes.io/part-of: inferkiln
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}

@@ -1,0 +1,63 @@
+"""The release catalog: what was published, where, with which digests and test results.
+
+One JSON file under the state directory, changed only by an atomic replace under a lock, so a
+failed publish (or two publishers at once) never leaves it half written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from factory.paths import state_dir
+
+
+class Artifact(BaseModel):
+    reference: str
+    digest: str
+
+
+class Release(BaseModel):
+    name: str
+    version: str
+    image: Artifact
+    chart: Artifact
+    tests: dict[str, Any]
+    forced: bool = False
+    time: str
+
+
+def catalog_path() -> Path:
+    return state_dir() / "catalog.json"
+
+
+def releases(path: Path | None = None) -> list[Release]:
+    path = path or catalog_path()
+    if not path.is_file():
+        return []
+    return [Release.model_validate(entry) for entry in json.loads(path.read_text())["releases"]]
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def record(release: Release, path: Path | None = None) -> None:
+    path = path or catalog_path()
+    with _locked(path):
+        entries = [r.model_dump() for r in releases(path)] + [release.model_dump()]
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".catalog-")
+        with os.fdopen(fd, "w") as out:
+            json.dump({"releases": entries}, out, indent=2)
+        os.replace(tmp, path)

@@ -1,0 +1,77 @@
+"""Running a built model image as the chart's pod would run it, and checking that it answers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from factory.render import PORT, UID
+
+# What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp.
+POD_LIKE = {"user": f"{UID}:{UID}", "read_only": True,
+            "tmpfs": {"/tmp": "size=256m", "/opt/nim/.cache": f"size=1g,uid={UID},gid={UID}", "/dev/shm": "size=256m"},
+            "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"]}
+
+
+class ContainerError(RuntimeError):
+    """The container exited or never became ready; the message carries its last log lines."""
+
+
+@dataclass
+class RunningModel:
+    container: object
+    url: str
+
+    def logs(self, tail: int = 60) -> str:
+        return self.container.logs(tail=tail).decode(errors="replace")
+
+    def stop(self) -> None:
+        try:
+            self.container.stop(timeout=10)
+        finally:
+            self.container.remove(force=True)
+
+
+def start_model(client, reference: str, env: dict[str, str] | None = None, timeout: float = 180) -> RunningModel:
+    """Start `reference` with the pod's settings on a free loopback port and wait for readiness."""
+    container = client.containers.run(reference, detach=True, environment={"NIM_LOG_LEVEL": "INFO", **(env or {})},
+                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, **POD_LIKE)
+    container.reload()
+    host_port = container.attrs["NetworkSettings"]["Ports"][f"{PORT}/tcp"][0]["HostPort"]
+    running = RunningModel(container, f"http://127.0.0.1:{host_port}")
+    try:
+        wait_ready(running, timeout)
+    except ContainerError:
+        running.stop()
+        raise
+    return running
+
+
+def wait_ready(running: RunningModel, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running.container.reload()
+        if running.container.status in ("exited", "dead"):
+            raise ContainerError(f"the container exited ({running.container.attrs['State'].get('ExitCode')}):\n"
+                                 f"{running.logs()}")
+        try:
+            if httpx.get(f"{running.url}/v1/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise ContainerError(f"not ready after {timeout:.0f}s:\n{running.logs()}")
+
+
+def smoke_check(url: str, model: str) -> str:
+    """One chat completion through the official client; the reply's text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=8, temperature=0)
+    if not reply.choices or reply.usage.completion_tokens < 1:
+        raise ContainerError(f"the smoke check got no tokens: {reply}")
+    return reply.choices[0].message.content

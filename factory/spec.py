@@ -1,0 +1,186 @@
+"""The model spec (`pipelines/models/*.yaml`), validated with pydantic.
+
+Every error names the file, the field path and what was expected, one line each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from service.manifest import Engine, Precision
+
+NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,51}[a-z0-9])?$")  # usable as image name, chart name and DNS label
+SEMVER = re.compile(r"^\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$")
+QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+
+
+class SpecError(ValueError):
+    """The spec is invalid; `lines` has one `file: field: problem` line per error."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Metadata(Strict):
+    name: str = Field(description="lower-case letters, digits and '-'; names the image and the chart")
+    version: str = Field(description="semantic version of this model's release, e.g. 0.1.0")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME.match(value):
+            raise ValueError("must be 1-53 lower-case letters, digits or '-', starting and ending alphanumeric")
+        return value
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str) -> str:
+        if not SEMVER.match(value):
+            raise ValueError("must be a semantic version such as 0.1.0")
+        return value
+
+
+class ModelSource(Strict):
+    source: str
+    served_name: str | None = None
+    license: str = "unknown"
+    bake: bool = True
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if not (value.startswith("local://") and len(value) > 8) and not re.match(r"^hf://[^/@]+/[^/@]+(@.+)?$", value):
+            raise ValueError("must be local://<dir> or hf://org/name[@revision]")
+        return value
+
+
+class Runtime(Strict):
+    flavor: Literal["cpu", "cuda"] = "cpu"
+    base_image: str | None = None
+
+
+class ProfileSpec(Strict):
+    engine: Engine = "torch"
+    precision: Precision = "fp32"
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    gpu: str = "cpu"
+    profile: Literal["latency", "throughput"] = "latency"
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class Resources(Strict):
+    gpus: int = Field(0, ge=0)
+    cpu: str = "2"
+    memory: str = "4Gi"
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str) -> str:
+        if not QUANTITY.match(str(value)):
+            raise ValueError("must be a Kubernetes quantity such as 2, 500m or 4Gi")
+        return str(value)
+
+
+class ChartSpec(Strict):
+    values: dict[str, Any] = Field(default_factory=dict)
+
+
+class AccuracyTests(Strict):
+    min_exact_match: float = Field(0.9, ge=0, le=1)
+
+
+class Slo(Strict):
+    ttft_p99_ms: float | None = Field(None, gt=0)
+    itl_p99_ms: float | None = Field(None, gt=0)
+
+
+class PerfTests(Strict):
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32], min_length=1)
+    requests_per_level: int = Field(64, ge=1)
+    slo: Slo = Field(default_factory=Slo)
+
+
+class Tests(Strict):
+    accuracy: AccuracyTests = Field(default_factory=AccuracyTests)
+    perf: PerfTests = Field(default_factory=PerfTests)
+
+
+class ModelSpec(Strict):
+    apiVersion: Literal["inferkiln/v1"]
+    kind: Literal["ModelSpec"]
+    metadata: Metadata
+    model: ModelSource
+    runtime: Runtime = Field(default_factory=Runtime)
+    profiles: list[ProfileSpec] = Field(min_length=1)
+    resources: Resources = Field(default_factory=Resources)
+    chart: ChartSpec = Field(default_factory=ChartSpec)
+    tests: Tests = Field(default_factory=Tests)
+
+    @property
+    def served_name(self) -> str:
+        return self.model.served_name or self.metadata.name
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+class LoadedSpec(BaseModel):
+    """A valid spec and the file it came from (relative `local://` sources resolve against it)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    spec: ModelSpec
+    path: Path
+
+    def local_source(self) -> Path | None:
+        source = self.spec.model.source
+        if not source.startswith("local://"):
+            return None
+        path = Path(source.removeprefix("local://"))
+        return path if path.is_absolute() else (self.path.parent / path).resolve()
+
+
+def _describe(error: dict) -> str:
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    if error["type"] == "missing":
+        return "required field is missing"
+    if error["type"] == "literal_error":
+        return f"must be one of {error['ctx']['expected']}; got {error.get('input')!r}"
+    return f"{message}; got {error.get('input')!r}" if error.get("input") is not None and not isinstance(
+        error.get("input"), dict | list) else message
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError([f"{path}: file not found"]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([f"{path}: not valid YAML: {' '.join(str(exc).split())}"]) from None
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}: expected a mapping with apiVersion, kind, metadata, model, profiles"])
+    try:
+        spec = ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError([f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {_describe(e)}"
+                         for e in exc.errors()]) from None
+    loaded = LoadedSpec(spec=spec, path=path.resolve())
+    if (local := loaded.local_source()) is not None and not (local / "config.json").is_file():
+        raise SpecError([f"{path}: model.source: no model directory (config.json) at {local}"])
+    return loaded

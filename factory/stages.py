@@ -1,0 +1,101 @@
+"""The factory's stages as plain functions; the CLI and pipeline files call these."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from factory.chart import lint, package, render_chart
+from factory.container import smoke_check, start_model
+from factory.images import BuiltImage, Progress, build_model, model_digest, model_labels, runtime_requirements
+from factory.render import RuntimePlan, write_model_context, write_runtime_context
+from factory.paths import state_dir
+from factory.spec import LoadedSpec
+from factory.stack import docker_client
+
+
+def render(loaded: LoadedSpec, out: Path) -> dict[str, Path]:
+    """Build contexts and chart as files, building nothing (the runtime reference is the one a build would use)."""
+    plan = RuntimePlan.for_spec(loaded)
+    runtime = write_runtime_context(plan, out / "runtime", runtime_requirements(plan))
+    runtime_reference = f"inferkiln/runtime-{plan.flavor}:<built>"
+    digest = model_digest(loaded, runtime_reference)
+    model = write_model_context(loaded, out / "model", runtime_reference, model_labels(loaded, digest))
+    chart = render_chart(loaded, f"inferkiln/{loaded.spec.metadata.name}", loaded.spec.metadata.version, out / "chart")
+    return {"runtime": runtime, "model": model, "chart": chart}
+
+
+def build(loaded: LoadedSpec, progress: Progress) -> tuple[BuiltImage, BuiltImage]:
+    return build_model(docker_client(), loaded, progress)
+
+
+def chart(loaded: LoadedSpec, out: Path, image_reference: str | None = None) -> Path:
+    """Render, lint and package the model's chart; the package path."""
+    if image_reference is None:
+        _, model = build_model(docker_client(), loaded, lambda _: None)
+        image_reference = model.reference
+    repository, tag = image_reference.rsplit(":", 1)
+    chart_dir = render_chart(loaded, repository, tag, out / "src")
+    lint(chart_dir)
+    return package(chart_dir, out)
+
+
+def smoke_test(loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Start the image as the pod would and check it answers. (The full harness replaces this.)"""
+    client = docker_client()
+    checks: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    progress(f"starting {image_reference}...")
+    running = None
+    try:
+        running = start_model(client, image_reference)
+        checks.append({"id": "container.ready", "passed": True,
+                       "detail": f"ready in {time.perf_counter() - start:.1f}s"})
+        reply = smoke_check(running.url, loaded.spec.served_name)
+        checks.append({"id": "smoke.chat", "passed": True, "detail": repr(reply)})
+    except Exception as exc:
+        checks.append({"id": "container.ready" if running is None else "smoke.chat", "passed": False,
+                       "detail": str(exc)[-2000:]})
+    finally:
+        logs = running.logs(200) if running else ""
+        if running:
+            running.stop()
+    passed = all(c["passed"] for c in checks)
+    result = {"passed": passed, "summary": f"{sum(c['passed'] for c in checks)}/{len(checks)} checks passed",
+              "checks": checks, "image": image_reference}
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "report.json").write_text(json.dumps(result, indent=2))
+    (report_dir / "container.log").write_text(logs)
+    (report_dir / "report.md").write_text(
+        f"# {loaded.spec.metadata.name} {loaded.spec.metadata.version}\n\nimage `{image_reference}`\n\n"
+        "| check | result | detail |\n|---|---|---|\n"
+        + "".join(f"| {c['id']} | {'pass' if c['passed'] else 'FAIL'} | {c['detail'][:120]} |\n" for c in checks))
+    return result
+
+
+def built_summary(image: BuiltImage) -> dict[str, Any]:
+    return asdict(image)
+
+
+def test_results_path(image_id: str) -> Path:
+    return state_dir() / "tests" / f"{image_id.replace(':', '-')}.json"
+
+
+def run_tests(loaded: LoadedSpec, output: Path | None, progress: Progress) -> tuple[dict[str, Any], Path]:
+    """Test the spec's image (built if needed) and keep the result for publish's gate."""
+    _, model = build(loaded, progress)
+    report_dir = output or Path("results") / f"test-{loaded.spec.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = smoke_test(loaded, model.reference, report_dir, progress)
+    stored = test_results_path(model.image_id)
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(result))
+    return result, report_dir
+
+
+def tests_for(loaded: LoadedSpec, model: BuiltImage, progress: Progress) -> dict[str, Any]:
+    """The recorded test results of exactly this image, testing it first if it never was."""
+    stored = test_results_path(model.image_id)
+    return json.loads(stored.read_text()) if stored.is_file() else run_tests(loaded, None, progress)[0]
