@@ -153,11 +153,12 @@ def _existing(client, reference: str) -> str | None:
         return None
 
 
-def build_context(client, context: Path, reference: str, progress: Progress) -> str:
+def build_context(client, context: Path, reference: str, progress: Progress, no_cache: bool = False) -> str:
     """`docker build` through the Engine API, streaming its steps; the image id, or BuildError."""
     step = "(before the first step)"
     image_id = None
-    for chunk in client.api.build(path=str(context), tag=reference, rm=True, forcerm=True, decode=True, pull=False):
+    for chunk in client.api.build(path=str(context), tag=reference, rm=True, forcerm=True, decode=True, pull=False,
+                                  nocache=no_cache):
         if "stream" in chunk:
             line = chunk["stream"].rstrip()
             if line.startswith("Step "):
@@ -172,7 +173,7 @@ def build_context(client, context: Path, reference: str, progress: Progress) -> 
     return image_id or client.images.get(reference).id
 
 
-def build_runtime(client, plan: RuntimePlan, progress: Progress) -> BuiltImage:
+def build_runtime(client, plan: RuntimePlan, progress: Progress, no_cache: bool = False) -> BuiltImage:
     start = time.perf_counter()
     requirements = runtime_requirements(plan)
     digest = hashlib.sha256(json.dumps([plan.flavor, plan.base_image, plan.requirement, plan.dockerfile(),
@@ -192,7 +193,7 @@ def build_runtime(client, plan: RuntimePlan, progress: Progress) -> BuiltImage:
             os.link(wheel, context / "wheels" / wheel.name)
         build_project_wheel(context / "wheels")
         progress(f"building {reference}...")
-        image_id = build_context(client, context, reference, progress)
+        image_id = build_context(client, context, reference, progress, no_cache)
     return BuiltImage(reference, image_id, True, time.perf_counter() - start)
 
 
@@ -221,9 +222,12 @@ def model_reference(loaded: LoadedSpec, digest: str) -> str:
     return f"inferkiln/{loaded.spec.metadata.name}:{loaded.spec.metadata.version}-{digest[:12]}"
 
 
-def build_model(client, loaded: LoadedSpec, progress: Progress) -> tuple[BuiltImage, BuiltImage]:
-    """The runtime image (shared) and the model image on top; both return at once when unchanged."""
-    runtime = build_runtime(client, RuntimePlan.for_spec(loaded), progress)
+def build_model(client, loaded: LoadedSpec, progress: Progress,
+                no_cache: bool = False) -> tuple[BuiltImage, BuiltImage]:
+    """The runtime image (shared) and the model image on top; both return at once when unchanged.
+
+    `no_cache` ignores Docker's layer cache (for measuring cold builds)."""
+    runtime = build_runtime(client, RuntimePlan.for_spec(loaded), progress, no_cache)
     start = time.perf_counter()
     digest = model_digest(loaded, runtime.reference)
     reference = model_reference(loaded, digest)
@@ -232,7 +236,7 @@ def build_model(client, loaded: LoadedSpec, progress: Progress) -> tuple[BuiltIm
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         context = write_model_context(loaded, Path(tmp) / "model", runtime.reference, model_labels(loaded, digest))
         progress(f"building {reference}...")
-        image_id = build_context(client, context, reference, progress)
+        image_id = build_context(client, context, reference, progress, no_cache)
     return runtime, BuiltImage(reference, image_id, True, time.perf_counter() - start)
 
 

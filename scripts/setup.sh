@@ -5,6 +5,23 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
+
+# The local stack's programs, from Debian's packages: the Docker Engine, debootstrap (the base
+# image) and the Distribution registry. helm comes from PyPI on first use (factory/stack.py).
+missing=()
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v docker-registry >/dev/null || missing+=(docker-registry)
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: installing ${missing[*]}" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+        echo "setup: missing ${missing[*]}: install them (Debian: apt-get install ${missing[*]})" >&2
+        exit 1
+    fi
+fi
 # The CPU build of torch; where pip has no local copy of it, set INFERKILN_TORCH to another spec.
 TORCH_SPEC=${INFERKILN_TORCH:-torch==2.13.0}
 

@@ -1,0 +1,134 @@
+"""Model specs, rendering and pipeline files: pure logic, no Docker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from factory.chart import model_values
+from factory.cli import app
+from factory.pipeline import PipelineError, load_pipeline
+from factory.render import RuntimePlan, model_manifest
+from factory.spec import SpecError, load_spec
+from factory.stages import render
+
+SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama.yaml"
+
+
+def write_spec(tmp_path: Path, model_dir: Path, **changes) -> Path:
+    data = yaml.safe_load(SAMPLE.read_text())
+    data["model"]["source"] = f"local://{model_dir}"
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        if value is None:
+            node.pop(last)
+        elif isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_sample_spec_is_valid(tiny_model_dir, tmp_path):
+    loaded = load_spec(write_spec(tmp_path, tiny_model_dir))
+    assert loaded.spec.metadata.name == "tiny-llama" and loaded.spec.served_name == "tiny-llama"
+    assert loaded.local_source() == tiny_model_dir
+
+
+@pytest.mark.parametrize("changes,field,words", [
+    ({"apiVersion": "inferkiln/v2"}, "apiVersion", "'inferkiln/v1'"),
+    ({"metadata.name": "Tiny_Llama"}, "metadata.name", "lower-case"),
+    ({"metadata.version": "one"}, "metadata.version", "semantic version"),
+    ({"model.source": "s3://bucket/x"}, "model.source", "local://<dir> or hf://"),
+    ({"runtime.flavor": "tpu"}, "runtime.flavor", "'cpu' or 'cuda'"),
+    ({"profiles.0.precision": "fp7"}, "profiles.0.precision", "one of"),
+    ({"profiles.0.tp": 0}, "profiles.0.tp", "greater than or equal to 1"),
+    ({"resources.memory": "lots"}, "resources.memory", "Kubernetes quantity"),
+    ({"tests.accuracy.min_exact_match": 2}, "tests.accuracy.min_exact_match", "less than or equal to 1"),
+    ({"metadata.colour": "blue"}, "metadata.colour", "unknown field"),
+    ({"profiles": None}, "profiles", "required"),
+])
+def test_bad_specs_name_file_field_and_expectation(tiny_model_dir, tmp_path, changes, field, words):
+    path = write_spec(tmp_path, tiny_model_dir, **changes)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    line = next(line for line in err.value.lines if f": {field}:" in line)
+    assert line.startswith(str(path)) and words in line, err.value.lines
+
+
+def test_missing_weights_and_bad_yaml(tmp_path):
+    with pytest.raises(SpecError, match="no model directory"):
+        load_spec(write_spec(tmp_path, tmp_path / "absent"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("apiVersion: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(broken)
+
+
+def test_validate_command_exit_codes(tiny_model_dir, tmp_path):
+    good = write_spec(tmp_path, tiny_model_dir)
+    result = CliRunner().invoke(app, ["validate", str(good)])
+    assert result.exit_code == 0 and "ok (tiny-llama 0.1.0)" in result.output
+    bad = write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "tpu"})
+    result = CliRunner().invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2 and "runtime.flavor" in result.output
+
+
+def test_render_writes_readable_build_contexts(tiny_model_dir, tmp_path):
+    paths = render(load_spec(write_spec(tmp_path, tiny_model_dir)), tmp_path / "out")
+    runtime = (paths["runtime"] / "Dockerfile").read_text()
+    assert "FROM inferkiln/base:bookworm-py311 AS build" in runtime
+    assert "USER 1000:1000" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
+    assert "--no-index" in runtime, "containers install from the wheelhouse, with no network"
+    assert any(line.startswith("torch==") for line in (paths["runtime"] / "requirements.txt").read_text().splitlines())
+    model = (paths["model"] / "Dockerfile").read_text()
+    assert "COPY model/ /opt/nim/model/" in model and '"io.inferkiln.spec-digest"' in model
+    assert (paths["model"] / "model" / "model.safetensors").is_file()
+    manifest = yaml.safe_load((paths["model"] / "model_manifest.yaml").read_text())
+    assert manifest["model"]["source"] == "local:///opt/nim/model"
+    assert [p["name"] for p in manifest["profiles"]] == ["torch-fp32-tp1-cpu-latency", "torch-bf16-tp1-any-latency"]
+    assert (paths["chart"] / "Chart.yaml").is_file()
+
+
+def test_cuda_flavor_renders_with_a_cuda_base_and_the_vllm_extra(tiny_model_dir, tmp_path):
+    loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda"}))
+    dockerfile = RuntimePlan.for_spec(loaded).dockerfile()
+    assert "FROM nvcr.io/nvidia/cuda:" in dockerfile and '"inferkiln[vllm]"' in dockerfile
+    assert "apt-get install" in dockerfile
+    custom = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda",
+                                                                 "runtime.base_image": "registry.example/cuda:1"}))
+    assert "FROM registry.example/cuda:1 AS build" in RuntimePlan.for_spec(custom).dockerfile()
+
+
+def test_unbaked_model_keeps_its_source(tiny_model_dir, tmp_path):
+    loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"model.bake": False}))
+    assert model_manifest(loaded).model.source == f"local://{tiny_model_dir}"
+
+
+def test_chart_values_follow_the_spec(tiny_model_dir, tmp_path):
+    loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"resources.gpus": 2,
+                                                                 "chart.values": {"replicaCount": 3}}))
+    values = model_values(loaded, "registry/inferkiln/tiny-llama", "0.1.0-abc")
+    assert values["image"] == {"repository": "registry/inferkiln/tiny-llama", "tag": "0.1.0-abc",
+                               "pullPolicy": "IfNotPresent"}
+    assert values["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in values["tolerations"]
+    assert values["replicaCount"] == 3 and values["model"]["name"] == "tiny-llama"
+
+
+def test_pipeline_files(tmp_path):
+    loaded = load_pipeline(Path(__file__).parents[2] / "pipelines" / "tiny.yaml")
+    assert loaded.pipeline.stages == ["validate", "build", "chart", "test", "publish"]
+    assert loaded.spec_paths()[0].name == "tiny-llama.yaml"
+    bad = tmp_path / "p.yaml"
+    bad.write_text("apiVersion: inferkiln/v1\nkind: Pipeline\nspecs: [a.yaml]\nstages: [bake]\n")
+    with pytest.raises(PipelineError, match="stages.0"):
+        load_pipeline(bad)
