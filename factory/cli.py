@@ -113,13 +113,30 @@ def chart(ctx: typer.Context,
 
 
 @app.command()
-def test(spec: Spec, output: Annotated[Path | None, typer.Option("--output", help="Report directory.")] = None,
+def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, start and test its image.")] = None,
+         url: Annotated[str | None, typer.Option(help="Test any OpenAI-compatible server instead.")] = None,
+         model: Annotated[str | None, typer.Option(help="With --url: the model name to send.")] = None,
+         output: Annotated[Path | None, typer.Option("--output", help="Report directory.")] = None,
+         model_dir: Annotated[Path | None, typer.Option(help="With --url: local weights for the parity check.")] = None,
+         dataset: Annotated[Path | None, typer.Option(help="JSONL of {prompt, completion} for exact match.")] = None,
+         suite: Annotated[str, typer.Option(help="openai, or nim (adds health, metadata, manifest, metrics).")] = "nim",
          as_json: JsonFlag = False) -> None:
-    """Start the built image as the chart's pod would and check it; write a report. Exit 1 on failure."""
-    from factory.stages import run_tests
+    """Run the harness (conformance, accuracy, performance, metrics); write a report. Exit 1 when a gate fails."""
+    if (spec is None) == (url is None) or (url is not None and not model):
+        raise fail("give a SPEC, or --url URL --model NAME", 2)
+    if spec is not None:
+        from factory.stages import run_tests
 
-    result, report_dir = checked(lambda: run_tests(load(spec), output, say))
-    emit(result, as_json, f"{result['summary']}; report: {report_dir / 'report.md'}")
+        result, report_dir = checked(lambda: run_tests(load(spec), output, say))
+    else:
+        from factory.harness.run import HarnessConfig, load_pairs, run_harness
+
+        report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
+        groups = ("openai", "nim") if suite == "nim" else ("openai",)
+        result = run_harness(url.rstrip("/"), model, HarnessConfig(groups=groups), report_dir,
+                             pairs=load_pairs(dataset), model_dir=model_dir, progress=say)
+    emit({k: v for k, v in result.items() if k != "performance"} if as_json else result, as_json,
+         f"{result['summary']}\nreport: {report_dir / 'summary.md'}")
     if not result["passed"]:
         raise typer.Exit(1)
 

@@ -63,15 +63,3 @@ def wait_ready(running: RunningModel, timeout: float) -> None:
             pass
         time.sleep(0.3)
     raise ContainerError(f"not ready after {timeout:.0f}s:\n{running.logs()}")
-
-
-def smoke_check(url: str, model: str) -> str:
-    """One chat completion through the official client; the reply's text."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=8, temperature=0)
-    if not reply.choices or reply.usage.completion_tokens < 1:
-        raise ContainerError(f"the smoke check got no tokens: {reply}")
-    return reply.choices[0].message.content

@@ -79,13 +79,17 @@ def _serve(reference: str) -> str:
 
 
 def _markdown(summary: dict, test_dir: Path) -> str:
-    rows = "".join(f"| {c['id']} | {'pass' if c['passed'] else 'FAIL'} | {c['detail'][:100]} |\n"
-                   for c in summary["tests"]["checks"])
+    from factory.harness.report import gate_rows
+
+    tests = summary["tests"]
+    rows = ("".join(f"| {gate} | {'pass' if ok else 'FAIL'} | {detail[:100]} |\n" for gate, ok, detail in gate_rows(tests))
+            if "conformance" in tests else "".join(f"| {c['id']} | FAIL | {c['detail'][:100]} |\n" for c in tests["checks"]))
     timings = "".join(f"| {name} | {seconds} |\n" for name, seconds in summary["timings_s"].items())
     release = summary["release"]
     published = (f"- image `{release['image']['reference']}@{release['image']['digest']}`\n"
                  f"- chart `{release['chart']['reference']}@{release['chart']['digest']}`\n") if release else "- nothing\n"
     return (f"# inferkiln demo\n\n## Images\n- runtime `{summary['runtime_image']}`\n- model `{summary['model_image']}`\n"
             f"- chart package `{summary['chart_package']}`\n\n## Tests ({summary['tests']['summary']})\n\n"
-            f"| check | result | detail |\n|---|---|---|\n{rows}\nDetails: `{test_dir}`\n\n"
+            f"| gate | result | detail |\n|---|---|---|\n{rows}\nFull report: `{test_dir / 'summary.md'}` "
+            f"(and `index.html`, plots, `profile_export_aiperf.json`)\n\n"
             f"## Published\n{published}\n## Timings\n\n| step | seconds |\n|---|---|\n{timings}")

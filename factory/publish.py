@@ -21,6 +21,17 @@ class PublishError(RuntimeError):
     """A push failed or the gates refused; nothing was recorded."""
 
 
+def test_summary(tests: dict[str, Any]) -> dict[str, Any]:
+    """What the catalog keeps of a test run: the verdict and the headline numbers, JSON-safe."""
+    summary: dict[str, Any] = {"passed": bool(tests.get("passed")), "summary": tests.get("summary", "no test results")}
+    if "accuracy" in tests:
+        summary["exact_match"] = tests["accuracy"]["exact_match"]["score"]
+    if "performance" in tests:
+        summary["output_tokens_per_s"] = {str(level): round(m["output_token_throughput"]["avg"], 1)
+                                          for level, m in tests["performance"].items()}
+    return summary
+
+
 def push_image(client, local_reference: str, registry: str, progress: Progress) -> catalog.Artifact:
     repository, tag = local_reference.rsplit(":", 1)
     remote = f"{registry}/{repository}"
@@ -62,7 +73,8 @@ def publish(client, loaded: LoadedSpec, image_reference: str, registry: str, tes
             raise PublishError(f"pushing the chart to {registry} failed: {exc}") from exc
     release = catalog.Release(
         name=spec.metadata.name, version=spec.metadata.version, image=image,
-        chart=catalog.Artifact(reference=reference, digest=digest), tests=tests, forced=force and not tests.get("passed"),
+        chart=catalog.Artifact(reference=reference, digest=digest), tests=test_summary(tests),
+        forced=force and not tests.get("passed"),
         time=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     catalog.record(release)
     return release

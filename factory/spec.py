@@ -100,6 +100,8 @@ class ChartSpec(Strict):
 
 class AccuracyTests(Strict):
     min_exact_match: float = Field(0.9, ge=0, le=1)
+    dataset: str | None = Field(None, description="JSONL of {prompt, completion}, relative to the spec; "
+                                                  "default: the bundled tiny model's memorised lines")
 
 
 class Slo(Strict):

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from factory.chart import lint, package, render_chart
-from factory.container import smoke_check, start_model
+from factory.container import ContainerError, start_model
+from factory.harness.run import HarnessConfig, load_pairs, run_harness
 from factory.images import BuiltImage, Progress, build_model, model_digest, model_labels, runtime_requirements
 from factory.render import RuntimePlan, write_model_context, write_runtime_context
 from factory.paths import state_dir
@@ -43,36 +44,34 @@ def chart(loaded: LoadedSpec, out: Path, image_reference: str | None = None) -> 
     return package(chart_dir, out)
 
 
-def smoke_test(loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> dict[str, Any]:
-    """Start the image as the pod would and check it answers. (The full harness replaces this.)"""
-    client = docker_client()
-    checks: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    progress(f"starting {image_reference}...")
-    running = None
-    try:
-        running = start_model(client, image_reference)
-        checks.append({"id": "container.ready", "passed": True,
-                       "detail": f"ready in {time.perf_counter() - start:.1f}s"})
-        reply = smoke_check(running.url, loaded.spec.served_name)
-        checks.append({"id": "smoke.chat", "passed": True, "detail": repr(reply)})
-    except Exception as exc:
-        checks.append({"id": "container.ready" if running is None else "smoke.chat", "passed": False,
-                       "detail": str(exc)[-2000:]})
-    finally:
-        logs = running.logs(200) if running else ""
-        if running:
-            running.stop()
-    passed = all(c["passed"] for c in checks)
-    result = {"passed": passed, "summary": f"{sum(c['passed'] for c in checks)}/{len(checks)} checks passed",
-              "checks": checks, "image": image_reference}
+def harness_config(loaded: LoadedSpec) -> HarnessConfig:
+    tests = loaded.spec.tests
+    return HarnessConfig(min_exact_match=tests.accuracy.min_exact_match, concurrency=tests.perf.concurrency,
+                         requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump())
+
+
+def container_test(loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Start the image as the chart's pod would and run the whole harness against it."""
+    dataset = loaded.spec.tests.accuracy.dataset
+    pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / "report.json").write_text(json.dumps(result, indent=2))
-    (report_dir / "container.log").write_text(logs)
-    (report_dir / "report.md").write_text(
-        f"# {loaded.spec.metadata.name} {loaded.spec.metadata.version}\n\nimage `{image_reference}`\n\n"
-        "| check | result | detail |\n|---|---|---|\n"
-        + "".join(f"| {c['id']} | {'pass' if c['passed'] else 'FAIL'} | {c['detail'][:120]} |\n" for c in checks))
+    progress(f"starting {image_reference}...")
+    start = time.perf_counter()
+    try:
+        running = start_model(docker_client(), image_reference)
+    except ContainerError as exc:
+        result = {"passed": False, "summary": "the container never became ready", "image": image_reference,
+                  "checks": [{"id": "container.ready", "passed": False, "detail": str(exc)[-2000:]}]}
+        (report_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        return result
+    try:
+        ready = time.perf_counter() - start
+        result = run_harness(running.url, loaded.spec.served_name, harness_config(loaded), report_dir, pairs=pairs,
+                             model_dir=loaded.local_source(), progress=progress)
+    finally:
+        (report_dir / "container.log").write_text(running.logs(500))
+        running.stop()
+    result.update(image=image_reference, start_to_ready_s=round(ready, 2))
     return result
 
 
@@ -88,7 +87,7 @@ def run_tests(loaded: LoadedSpec, output: Path | None, progress: Progress) -> tu
     """Test the spec's image (built if needed) and keep the result for publish's gate."""
     _, model = build(loaded, progress)
     report_dir = output or Path("results") / f"test-{loaded.spec.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = smoke_test(loaded, model.reference, report_dir, progress)
+    result = container_test(loaded, model.reference, report_dir, progress)
     stored = test_results_path(model.image_id)
     stored.parent.mkdir(parents=True, exist_ok=True)
     stored.write_text(json.dumps(result))

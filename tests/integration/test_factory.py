@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ from factory.images import BuildError, build_context, build_model
 from factory.publish import PublishError, publish
 from factory.spec import load_spec
 from factory.stack import REGISTRY, stack_up
-from factory.stages import smoke_test
+from factory.stages import container_test
 from factory.tinymodel import memorised_pairs
 from service.launcher import free_port
 
@@ -116,7 +117,7 @@ def test_container_runs_like_the_pod_and_answers(client, built):
 def test_weights_only_change_rebuilds_only_the_model_layers(client, built, tiny_model_dir, tmp_path):
     weights = tmp_path / "weights"
     shutil.copytree(tiny_model_dir, weights)
-    (weights / "NOTICE").write_text("a changed weights directory\n")
+    (weights / "NOTICE").write_text(f"changed weights {uuid.uuid4()}\n")  # new on every run: a real rebuild
     changed = load_spec(make_spec(tmp_path, weights))
     runtime, model = build_model(client, changed, progress)
     assert runtime.built is False and runtime.reference == built[0].reference
@@ -131,7 +132,8 @@ def test_no_credentials_in_history_labels_or_env(client, tiny_model_dir, tmp_pat
     secrets = {"HF_TOKEN": "hf_secret_value_7f3a9", "NGC_API_KEY": "ngc_secret_value_19c2"}
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
-    variant = load_spec(make_spec(tmp_path, tiny_model_dir, version="0.1.1"))  # a new digest: a real build
+    # a version of its own on every run: a new digest, so a real build happens with the secrets set
+    variant = load_spec(make_spec(tmp_path, tiny_model_dir, version=f"0.1.1-t{uuid.uuid4().hex[:8]}"))
     runtime, model = build_model(client, variant, progress)
     assert model.built
     for reference in (runtime.reference, model.reference):
@@ -151,8 +153,10 @@ def test_a_failing_build_names_the_step_and_exit_code(client, tmp_path):
 
 @pytest.fixture(scope="module")
 def passing_tests(spec, built, tmp_path_factory):
-    result = smoke_test(spec, built[1].reference, tmp_path_factory.mktemp("report"), progress)
-    assert result["passed"], result
+    report = tmp_path_factory.mktemp("report")
+    result = container_test(spec, built[1].reference, report, progress)
+    assert result["passed"], result["summary"]
+    assert (report / "summary.md").is_file() and (report / "container.log").read_text()
     return result
 
 

@@ -1,0 +1,151 @@
+"""The load generator: streaming requests over httpx, timed per token, as a concurrency sweep or at
+a Poisson request rate; statistics named and shaped as NVIDIA AIPerf exports them.
+
+Per request it records the time to the first token, the gaps between tokens, the end-to-end
+latency and the exact token counts from the final usage chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    start: float
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    latency: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    model: str
+    prompt_tokens: int = 32
+    output_tokens: int = 32
+    requests: int = 32
+    concurrency: int = 1
+    rate: float | None = None  # requests per second (Poisson arrivals); None = closed loop
+    warmup: int = 2
+    seed: int = 0
+    timeout: float = 300.0
+
+
+def synthetic_prompt(tokens: int, seed: int) -> str:
+    """Words from a small vocabulary: roughly one token each for BPE tokenizers; usage gives the exact count."""
+    words = ("river", "stone", "light", "north", "garden", "winter", "copper", "signal", "harbour", "meadow")
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(tokens))
+
+
+async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: int) -> RequestRecord:
+    body = {"model": settings.model, "prompt": synthetic_prompt(settings.prompt_tokens, settings.seed + index),
+            "max_tokens": settings.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    record = RequestRecord(start=time.perf_counter())
+    last = None
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, timeout=settings.timeout) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    record.input_tokens = chunk["usage"]["prompt_tokens"]
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    if record.ttft is None:
+                        record.ttft = now - record.start
+                    elif last is not None:
+                        record.itls.append(now - last)
+                    last = now
+        record.latency = time.perf_counter() - record.start
+    except (httpx.HTTPError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def run_load(base_url: str, settings: LoadSettings) -> tuple[list[RequestRecord], float]:
+    """All requests of one level; returns the records and the wall time of the measured part."""
+    limits = httpx.Limits(max_connections=max(settings.concurrency, 64), max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as http:
+        for i in range(settings.warmup):
+            await one_request(http, settings, -1 - i)
+        records: list[RequestRecord] = []
+        start = time.perf_counter()
+        if settings.rate:
+            rng = random.Random(settings.seed)
+            tasks = []
+            for i in range(settings.requests):
+                tasks.append(asyncio.create_task(one_request(http, settings, i)))
+                await asyncio.sleep(rng.expovariate(settings.rate))
+            records = list(await asyncio.gather(*tasks))
+        else:
+            counter = iter(range(settings.requests))
+
+            async def client() -> None:
+                for i in counter:
+                    records.append(await one_request(http, settings, i))
+
+            await asyncio.gather(*(client() for _ in range(settings.concurrency)))
+        return records, time.perf_counter() - start
+
+
+def describe(values: list[float], unit: str) -> dict:
+    """AIPerf's per-metric fields: unit, avg, min, max, p50, p90, p95, p99, std."""
+    if not values:
+        return {"unit": unit, **{k: None for k in ("avg", "min", "max", "p50", "p90", "p95", "p99", "std")}}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        pos = (len(ordered) - 1) * q / 100
+        low = math.floor(pos)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+    return {"unit": unit, "avg": statistics.fmean(ordered), "min": ordered[0], "max": ordered[-1],
+            "p50": pct(50), "p90": pct(90), "p95": pct(95), "p99": pct(99),
+            "std": statistics.pstdev(ordered) if len(ordered) > 1 else 0.0}
+
+
+def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float | None]) -> dict:
+    """The AIPerf-style export of one level, with goodput against the SLOs (ms)."""
+    ok = [r for r in records if r.error is None]
+    output = sum(r.output_tokens for r in ok)
+
+    def meets(r: RequestRecord) -> bool:
+        ttft_ok = slo.get("ttft_p99_ms") is None or (r.ttft or math.inf) * 1000 <= slo["ttft_p99_ms"]
+        itl_ok = slo.get("itl_p99_ms") is None or all(g * 1000 <= slo["itl_p99_ms"] for g in r.itls)
+        return ttft_ok and itl_ok
+
+    good = [r for r in ok if meets(r)]
+    return {
+        "time_to_first_token": describe([r.ttft * 1000 for r in ok if r.ttft is not None], "ms"),
+        "inter_token_latency": describe([g * 1000 for r in ok for g in r.itls], "ms"),
+        "request_latency": describe([r.latency * 1000 for r in ok if r.latency is not None], "ms"),
+        "output_sequence_length": describe([r.output_tokens for r in ok], "tokens"),
+        "input_sequence_length": describe([r.input_tokens for r in ok], "tokens"),
+        "output_token_throughput": {"unit": "tokens/sec", "avg": output / wall if wall else 0.0},
+        "request_throughput": {"unit": "requests/sec", "avg": len(ok) / wall if wall else 0.0},
+        "goodput": {"unit": "requests/sec", "avg": len(good) / wall if wall else 0.0},
+        "request_count": {"unit": "requests", "avg": len(ok)},
+        "error_request_count": {"unit": "requests", "avg": len(records) - len(ok)},
+    }

@@ -1,0 +1,107 @@
+"""Report directory: JSON export, per-request JSONL, Markdown summary, PNG plots, one HTML page."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+PLOTS = {
+    "throughput_vs_concurrency.png": ("Output token throughput", [("output_token_throughput", "avg", "tokens/s")]),
+    "ttft_vs_concurrency.png": ("Time to first token", [("time_to_first_token", q, "ms") for q in ("p50", "p90", "p99")]),
+    "itl_vs_concurrency.png": ("Inter-token latency", [("inter_token_latency", q, "ms") for q in ("p50", "p90", "p99")]),
+}
+
+
+def plot(levels: dict[int, dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    xs = sorted(levels)
+    for name, (title, series) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+        for metric, stat, unit in series:
+            ax.plot(xs, [levels[x][metric][stat] or 0 for x in xs], marker="o", label=f"{stat} ({unit})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
+    rows = [(c["id"], c["passed"], c["message"]) for c in result["conformance"]]
+    acc = result.get("accuracy", {})
+    if "exact_match" in acc:
+        em = acc["exact_match"]
+        rows.append(("accuracy.exact_match", em["score"] >= acc["threshold"],
+                     f"{em['score']:.3f} (threshold {acc['threshold']})"))
+    if "parity" in acc:
+        p = acc["parity"]
+        rows.append(("accuracy.parity", p["passed"],
+                     f"max logprob diff {p['max_logprob_diff']:.2e} (tolerance {p['tolerance']})"
+                     + (f"; {p['mismatches'][0]}" if p["mismatches"] else "")))
+    rows += [(c["id"], c["passed"], c["message"]) for c in result.get("metrics", {}).get("checks", [])]
+    for slo in result.get("slo", []):
+        rows.append((slo["id"], slo["passed"], slo["message"]))
+    return rows
+
+
+def sweep_table(levels: dict[int, dict]) -> str:
+    lines = ["| concurrency | output tok/s | req/s | goodput | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(levels):
+        m = levels[c]
+
+        def f(metric: str, stat: str) -> str:
+            value = m[metric][stat]
+            return "-" if value is None else f"{value:.1f}"
+
+        lines.append(f"| {c} | {f('output_token_throughput', 'avg')} | {m['request_throughput']['avg']:.2f} | "
+                     f"{m['goodput']['avg']:.2f} | {f('time_to_first_token', 'p50')} | {f('time_to_first_token', 'p99')} | "
+                     f"{f('inter_token_latency', 'p50')} | {f('inter_token_latency', 'p99')} | "
+                     f"{m['error_request_count']['avg']} |")
+    return "\n".join(lines)
+
+
+def write_report(result: dict, records: dict[int, list], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    levels = {int(c): m for c, m in result["performance"].items()}
+    (out / "profile_export_aiperf.json").write_text(json.dumps(
+        {"endpoint": result["url"], "model": result["model"], "levels": {str(c): m for c, m in levels.items()}}, indent=2))
+    with open(out / "requests.jsonl", "w") as jsonl:
+        for c, level_records in records.items():
+            for record in level_records:
+                jsonl.write(json.dumps({"concurrency": c, **record.to_json()}) + "\n")
+    plots = plot(levels, out) if levels else []
+    rows = gate_rows(result)
+    verdict = "PASSED" if result["passed"] else "FAILED"
+    table = "\n".join(f"| {gate} | {'pass' if ok else 'FAIL'} | {msg[:160].replace('|', '/')} |" for gate, ok, msg in rows)
+    markdown = (f"# Test report: {result['model']} at {result['url']} — {verdict}\n\n"
+                f"| gate | result | detail |\n|---|---|---|\n{table}\n\n## Performance\n\n{sweep_table(levels)}\n\n"
+                + "".join(f"![{p}]({p})\n" for p in plots))
+    (out / "summary.md").write_text(markdown)
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    images = "".join(f'<img alt="{p}" src="data:image/png;base64,{base64.b64encode((out / p).read_bytes()).decode()}">'
+                     for p in plots)
+    gate_html = "".join(f"<tr class={'ok' if ok else 'bad'}><td>{html.escape(g)}</td><td>{'pass' if ok else 'FAIL'}</td>"
+                        f"<td>{html.escape(m[:300])}</td></tr>" for g, ok, m in rows)
+    (out / "index.html").write_text(
+        "<!doctype html><meta charset=utf-8><title>inferkiln test report</title><style>"
+        "body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px}.ok td:nth-child(2){color:#080}.bad td:nth-child(2){color:#b00}"
+        "img{max-width:32%;margin:4px}</style>"
+        f"<h1>{html.escape(result['model'])} — {verdict}</h1><p>{html.escape(result['url'])}</p>"
+        f"<h2>Gates</h2><table><tr><th>gate</th><th>result</th><th>detail</th></tr>{gate_html}</table>"
+        f"<h2>Performance</h2><pre>{html.escape(sweep_table(levels))}</pre>{images}")
+    return out

@@ -1,0 +1,85 @@
+"""Running the whole harness against a URL and gating on its results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from factory.harness.accuracy import exact_match, parity
+from factory.harness.conformance import run_conformance
+from factory.harness.load import LoadSettings, run_load, summarize
+from factory.harness.metrics_check import check_metrics
+from factory.harness.report import gate_rows, write_report
+
+
+@dataclass
+class HarnessConfig:
+    min_exact_match: float = 0.9
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    requests_per_level: int = 32
+    prompt_tokens: int = 32
+    output_tokens: int = 32
+    rate: float | None = None
+    slo: dict[str, float | None] = field(default_factory=dict)
+    groups: tuple[str, ...] = ("openai", "nim")
+    precision: str = "fp32"
+
+
+def load_pairs(dataset: Path | None) -> list[tuple[str, str]]:
+    """JSONL lines of {"prompt", "completion"}; by default the bundled tiny model's memorised lines."""
+    if dataset is None:
+        from factory.tinymodel import memorised_pairs
+
+        return memorised_pairs()
+    rows = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()]
+    return [(row["prompt"], row["completion"]) for row in rows]
+
+
+def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pairs: list[tuple[str, str]],
+                model_dir: Path | None, progress: Callable[[str], None]) -> dict:
+    progress("conformance checks...")
+    result: dict = {"url": url, "model": model, "conformance": run_conformance(url, model, config.groups)}
+    progress(f"accuracy on {len(pairs)} prompts...")
+    accuracy: dict = {"threshold": config.min_exact_match, "exact_match": exact_match(url, model, pairs)}
+    if model_dir is not None:
+        accuracy["parity"] = parity(url, model, model_dir, [p for p, _ in pairs[:8]], config.precision)
+    result["accuracy"] = accuracy
+    if "nim" in config.groups:
+        progress("metrics checks...")
+        result["metrics"] = check_metrics(url, model)
+    performance, records = {}, {}
+    for level in config.concurrency:
+        progress(f"load at concurrency {level}...")
+        settings = LoadSettings(model=model, prompt_tokens=config.prompt_tokens, output_tokens=config.output_tokens,
+                                requests=config.requests_per_level, concurrency=level, rate=config.rate)
+        level_records, wall = asyncio.run(run_load(url, settings))
+        performance[level], records[level] = summarize(level_records, wall, config.slo), level_records
+    result["performance"] = performance
+    result["slo"] = slo_gates(performance, config.slo)
+    rows = gate_rows(result)
+    result["passed"] = all(ok for _, ok, _ in rows)
+    failed = [gate for gate, ok, _ in rows if not ok]
+    result["summary"] = (f"{len(rows) - len(failed)}/{len(rows)} gates passed"
+                         + (f"; failed: {', '.join(failed[:8])}" if failed else ""))
+    write_report(result, records, output)
+    return result
+
+
+def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> list[dict]:
+    gates = []
+    for name, metric in (("ttft_p99_ms", "time_to_first_token"), ("itl_p99_ms", "inter_token_latency")):
+        limit = slo.get(name)
+        if limit is None:
+            continue
+        for level, summary in performance.items():
+            value = summary[metric]["p99"]
+            ok = value is not None and value <= limit
+            gates.append({"id": f"slo.{name}@{level}", "passed": ok,
+                          "message": f"{value if value is None else round(value, 1)} ms (limit {limit} ms)"})
+    for level, summary in performance.items():
+        errors = summary["error_request_count"]["avg"]
+        gates.append({"id": f"perf.errors@{level}", "passed": errors == 0, "message": f"{errors} failed requests"})
+    return gates

@@ -1,0 +1,149 @@
+"""The harness against the real service (everything passes) and against deliberately wrong servers.
+
+The wrong servers are a test double: a proxy in front of the real service that breaks one promise
+(drops `[DONE]`, miscounts usage, or returns the tokens reversed), faults that a correct server
+cannot be made to show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from typer.testing import CliRunner
+
+from factory.cli import app as cli
+from factory.harness.load import LoadSettings, run_load, summarize
+from factory.harness.run import HarnessConfig, load_pairs, run_harness
+from service.launcher import free_port
+
+QUICK = HarnessConfig(concurrency=[1, 4], requests_per_level=8, output_tokens=16, slo={"ttft_p99_ms": 5000})
+
+
+def broken_proxy(upstream: str, mode: str) -> FastAPI:
+    app = FastAPI()
+    http = httpx.AsyncClient(base_url=upstream, timeout=120)
+
+    def corrupt(body: dict) -> dict:
+        if mode == "miscount" and body.get("usage"):
+            body["usage"]["completion_tokens"] += 1
+            body["usage"]["total_tokens"] += 1
+        if mode == "reverse":
+            for choice in body.get("choices", []):
+                if choice.get("text"):
+                    choice["text"] = choice["text"][::-1]
+                if (choice.get("logprobs") or {}).get("tokens"):
+                    choice["logprobs"]["tokens"] = choice["logprobs"]["tokens"][::-1]
+        return body
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request):
+        body = await request.body()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        streaming = b'"stream": true' in body or b'"stream":true' in body
+        if not streaming:
+            reply = await http.request(request.method, f"/{path}", content=body, headers=headers)
+            if reply.headers.get("content-type", "").startswith("application/json"):
+                return JSONResponse(corrupt(reply.json()), status_code=reply.status_code)
+            return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+        async def events():
+            async with http.stream("POST", f"/{path}", content=body, headers=headers) as reply:
+                async for line in reply.aiter_lines():
+                    if not line:
+                        continue
+                    if line == "data: [DONE]":
+                        if mode != "no_done":
+                            yield "data: [DONE]\n\n"
+                        continue
+                    yield f"data: {json.dumps(corrupt(json.loads(line[6:])))}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def proxy(server):
+    started = []
+
+    def start(mode: str) -> str:
+        port = free_port()
+        srv = uvicorn.Server(uvicorn.Config(broken_proxy(server.url, mode), host="127.0.0.1", port=port,
+                                            log_level="warning"))
+        thread = threading.Thread(target=srv.run, daemon=True)
+        thread.start()
+        while not srv.started:
+            time.sleep(0.05)
+        started.append((srv, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for srv, thread in started:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def failed_ids(result: dict) -> set[str]:
+    from factory.harness.report import gate_rows
+
+    return {gate for gate, ok, _ in gate_rows(result) if not ok}
+
+
+def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_model_dir, tmp_path):
+    result = run_harness(server.url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None), model_dir=tiny_model_dir,
+                         progress=lambda _: None)
+    assert result["passed"], failed_ids(result)
+    assert result["accuracy"]["exact_match"]["score"] == 1.0
+    assert result["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
+    for name in ("summary.md", "summary.json", "index.html", "requests.jsonl", "profile_export_aiperf.json",
+                 "throughput_vs_concurrency.png", "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
+        assert (tmp_path / name).is_file(), name
+    export = json.loads((tmp_path / "profile_export_aiperf.json").read_text())["levels"]["4"]
+    for metric in ("time_to_first_token", "inter_token_latency", "request_latency"):
+        assert set(export[metric]) == {"unit", "avg", "min", "max", "p50", "p90", "p95", "p99", "std"}
+    assert export["output_sequence_length"]["avg"] == 16 and export["error_request_count"]["avg"] == 0
+    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 16
+    assert "data:image/png;base64," in (tmp_path / "index.html").read_text()
+    assert "| 4 |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("no_done", {"chat.stream.framing", "completions.stream.usage"}),
+    ("miscount", {"usage.exact_length", "logprobs.chat", "metrics.generation_tokens_total"}),
+    ("reverse", {"accuracy.exact_match", "accuracy.parity", "stop.strings"}),
+])
+def test_wrong_servers_fail_the_right_checks(proxy, tiny_model_dir, tmp_path, mode, expected):
+    url = proxy(mode)
+    result = run_harness(url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None)[:16], model_dir=tiny_model_dir,
+                         progress=lambda _: None)
+    assert not result["passed"]
+    assert expected <= failed_ids(result), failed_ids(result)
+    assert "models.list" not in failed_ids(result) and "health.live" not in failed_ids(result)
+
+
+def test_test_command_exits_1_on_a_failed_gate(proxy, tmp_path):
+    url = proxy("no_done")
+    result = CliRunner().invoke(cli, ["test", "--url", url, "--model", "tiny-llama", "--output", str(tmp_path)])
+    assert result.exit_code == 1 and "gates passed; failed: " in result.output
+    assert (tmp_path / "summary.md").read_text().startswith("# Test report: tiny-llama")
+
+
+def test_test_command_needs_a_spec_or_a_url():
+    result = CliRunner().invoke(cli, ["test"])
+    assert result.exit_code == 2
+
+
+def test_poisson_rate_mode(server):
+    settings = LoadSettings(model="tiny-llama", requests=12, rate=50.0, output_tokens=8, warmup=0)
+    records, wall = asyncio.run(run_load(server.url, settings))
+    summary = summarize(records, wall, {})
+    assert summary["request_count"]["avg"] == 12 and summary["error_request_count"]["avg"] == 0
+    assert all(r.output_tokens == 8 for r in records)
