@@ -75,11 +75,21 @@ def test_readiness_is_503_until_the_engine_loads(tiny_model_dir):
     from service.settings import load_settings
 
     runtime = build_runtime(load_settings({"model_path": str(tiny_model_dir)}, {}))
+    # A test double for a slow weight load (large models take minutes): loading waits for the event.
+    weights_arrived = threading.Event()
+    real_load = runtime.engine._load
+
+    def slow_load() -> None:
+        weights_arrived.wait(30)
+        real_load()
+
+    runtime.engine._load = slow_load
     with TestClient(build_app(runtime)) as http:  # the lifespan starts loading in the background
         first = http.get("/v1/health/ready")
         assert first.status_code == 503 and first.json()["status"] == "not_ready"
         assert http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x"}).status_code == 503
         assert http.get("/v1/health/live").status_code == 200
+        weights_arrived.set()
         wait_for(lambda: http.get("/v1/health/ready").status_code == 200)
         assert http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x"}).status_code == 200
 
@@ -160,7 +170,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir, tmp_p
         result: dict = {}
 
         def long_stream() -> None:
-            with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "n": 8, "stream": True},
+            with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "n": 32, "stream": True},
                               timeout=60) as response:
                 result["lines"] = [line for line in response.iter_lines() if line]
 
@@ -176,4 +186,4 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir, tmp_p
         assert server.proc.wait(60) == 0
     assert result["lines"][-1] == "data: [DONE]"
     finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in result["lines"][:-1]]
-    assert finishes.count("length") == 8, "every choice ran to its end"
+    assert finishes.count("length") == 32, "every choice ran to its end"

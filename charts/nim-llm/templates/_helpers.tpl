@@ -36,3 +36,14 @@ app.kubernetes.io/component: inference
 app.kubernetes.io/part-of: inferkiln
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/*
+Usage: {{ include "nim-llm.serviceAccountName" . }}
+*/}}
+{{- define "nim-llm.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "nim-llm.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,110 @@
+{{/*
+The pod spec shared by the Deployment, the StatefulSet and the LeaderWorkerSet.
+Usage: {{ include "nim-llm.podSpec" . | nindent 6 }}
+*/}}
+{{- define "nim-llm.podSpec" -}}
+serviceAccountName: {{ include "nim-llm.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automount }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+containers:
+  - name: nim-llm
+    image: "{{ .Values.image.repository }}:{{ required "image.tag is required" .Values.image.tag }}"
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    securityContext:
+      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
+    env:
+      - {name: NIM_CACHE_PATH, value: {{ .Values.model.nimCache | quote }}}
+      - {name: NIM_SERVER_PORT, value: {{ .Values.model.openaiPort | quote }}}
+      - {name: NIM_JSONL_LOGGING, value: {{ ternary "1" "0" .Values.model.jsonLogging | quote }}}
+      - {name: NIM_LOG_LEVEL, value: {{ .Values.model.logLevel | quote }}}
+      {{- with .Values.model.name }}
+      - {name: NIM_SERVED_MODEL_NAME, value: {{ . | quote }}}
+      {{- end }}
+      {{- with .Values.model.profile }}
+      - {name: NIM_MODEL_PROFILE, value: {{ . | quote }}}
+      {{- end }}
+      {{- with .Values.env }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    ports:
+      - name: http
+        containerPort: {{ .Values.model.openaiPort }}
+        protocol: TCP
+    startupProbe:
+      {{- toYaml .Values.startupProbe | nindent 6 }}
+    livenessProbe:
+      {{- toYaml .Values.livenessProbe | nindent 6 }}
+    readinessProbe:
+      {{- toYaml .Values.readinessProbe | nindent 6 }}
+    resources:
+      {{- toYaml .Values.resources | nindent 6 }}
+    volumeMounts:
+      - {name: model-cache, mountPath: {{ .Values.model.nimCache | quote }}}
+      - {name: tmp, mountPath: /tmp}
+      - {name: dshm, mountPath: /dev/shm}
+      {{- with .Values.extraVolumeMounts }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+volumes:
+  {{- if not (and .Values.statefulSet.enabled .Values.persistence.enabled (not .Values.persistence.existingClaim)) }}
+  - name: model-cache
+    {{- if .Values.persistence.enabled }}
+    persistentVolumeClaim:
+      claimName: {{ .Values.persistence.existingClaim | default (include "nim-llm.fullname" .) }}
+    {{- else if .Values.hostPath }}
+    hostPath:
+      path: {{ .Values.hostPath }}
+      type: DirectoryOrCreate
+    {{- else if .Values.nfs.enabled }}
+    nfs:
+      server: {{ required "nfs.server is required" .Values.nfs.server }}
+      path: {{ required "nfs.path is required" .Values.nfs.path }}
+      readOnly: {{ .Values.nfs.readOnly }}
+    {{- else }}
+    emptyDir: {}
+    {{- end }}
+  {{- end }}
+  - {name: tmp, emptyDir: {}}
+  - {name: dshm, emptyDir: {medium: Memory}}
+  {{- with .Values.extraVolumes }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $gpu := and .Values.resources .Values.resources.limits (hasKey .Values.resources.limits "nvidia.com/gpu") }}
+{{- if or .Values.tolerations $gpu }}
+tolerations:
+  {{- with .Values.tolerations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  {{- if $gpu }}
+  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod template metadata.
+Usage: {{ include "nim-llm.podMetadata" . | nindent 4 }}
+*/}}
+{{- define "nim-llm.podMetadata" -}}
+labels:
+  {{- include "nim-llm.labels" . | nindent 2 }}
+{{- if .Values.metrics.enabled }}
+annotations:
+  prometheus.io/scrape: "true"
+  prometheus.io/path: /v1/metrics
+  prometheus.io/port: {{ .Values.model.openaiPort | quote }}
+{{- end }}
+{{- end }}
