@@ -16,8 +16,6 @@ import typer
 
 app = typer.Typer(help="inferkiln: a factory for OpenAI-compatible LLM inference microservices.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-chart_app = typer.Typer(help="Render, lint and package the per-model Helm chart.", invoke_without_command=True)
-app.add_typer(chart_app, name="chart")
 
 Spec = Annotated[Path, typer.Argument(help="A model spec (pipelines/models/*.yaml).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -98,18 +96,66 @@ def base_image() -> None:
     typer.echo(checked(lambda: ensure_base_image(docker_client(), say)))
 
 
-@chart_app.callback()
-def chart(ctx: typer.Context,
-          spec: Annotated[Path | None, typer.Argument(help="A model spec.")] = None,
-          out: Annotated[Path, typer.Option("-o", "--out", help="Where the package goes.")] = Path("build/charts")) -> None:
-    """Render, lint and package the model's chart; the package path is the last line."""
-    if ctx.invoked_subcommand is not None:
+def parse_sets(sets: list[str]) -> dict:
+    """`a.b=value` pairs (values as YAML) into nested values, like helm's --set."""
+    import yaml
+
+    from factory.chart import deep_merge
+
+    values: dict = {}
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--set {item!r}: expected key.path=value", 2)
+        node: dict = {}
+        leaf = node
+        *parents, last = key.split(".")
+        for part in parents:
+            leaf = leaf.setdefault(part, {})
+        leaf[last] = yaml.safe_load(raw)
+        values = deep_merge(values, node)
+    return values
+
+
+@app.command()
+def chart(target: Annotated[str, typer.Argument(help="A model spec, or `run` followed by a spec.")],
+          spec: Annotated[Path | None, typer.Argument(help="With `run`: the model spec.")] = None,
+          out: Annotated[Path, typer.Option("-o", "--out", help="Where the package goes.")] = Path("build/charts"),
+          sets: Annotated[list[str], typer.Option("--set", help="With `run`: override a value (key.path=value).")] = [],
+          as_json: JsonFlag = False) -> None:
+    """`chart SPEC`: render, lint, check and package the chart (the package path last).
+    `chart run SPEC`: run the pod spec it renders in Docker and ask its probes as the kubelet would."""
+    from factory import stages
+
+    if target != "run":
+        typer.echo(str(checked(lambda: stages.chart(load(Path(target)), out))))
         return
     if spec is None:
-        raise fail("give a spec: inferkiln chart SPEC", 2)
-    from factory.stages import chart as chart_stage
+        raise fail("give a spec: inferkiln chart run SPEC", 2)
+    values = parse_sets(sets)
+    result = checked(lambda: stages.chart_run(load(spec), values))
+    emit(result, as_json, "\n".join(f"{key}: {value}" for key, value in result.items()))
 
-    typer.echo(str(checked(lambda: chart_stage(load(spec), out))))
+
+@app.command()
+def deploy(spec: Spec, kubeconfig: Annotated[Path, typer.Option(help="kubeconfig of the target cluster.")],
+           namespace: Annotated[str, typer.Option(help="Namespace of the release.")] = "default",
+           registry: Annotated[str | None, typer.Option(help="Deploy the image from this registry.")] = None) -> None:
+    """Install or upgrade the release on a real cluster and wait for the rollout."""
+    import tempfile
+
+    from factory.deploy import DeployError, deploy as deploy_release
+    from factory.stages import build as build_stage
+
+    loaded = load(spec)
+    _, model = checked(lambda: build_stage(loaded, say))
+    reference = f"{registry}/{model.reference}" if registry else model.reference
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = deploy_release(loaded, reference, kubeconfig, namespace, Path(tmp))
+    except DeployError as exc:
+        raise fail(str(exc)) from None
+    typer.echo(f"{result['release']} rolled out in {result['namespace']} (revision {result['revision']})")
 
 
 @app.command()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from factory.chart import lint, package, render_chart
+from factory.chart import ChartError, lint, package, render_chart
+from factory.chart_checks import check_chart
+from factory.chart_run import run_chart
 from factory.container import ContainerError, start_model
 from factory.harness.run import HarnessConfig, load_pairs, run_harness
 from factory.images import BuiltImage, Progress, build_model, model_digest, model_labels, runtime_requirements
@@ -34,14 +37,29 @@ def build(loaded: LoadedSpec, progress: Progress) -> tuple[BuiltImage, BuiltImag
 
 
 def chart(loaded: LoadedSpec, out: Path, image_reference: str | None = None) -> Path:
-    """Render, lint and package the model's chart; the package path."""
+    """Render, lint and check (value matrix, API schemas, policy) the model's chart; package it."""
     if image_reference is None:
         _, model = build_model(docker_client(), loaded, lambda _: None)
         image_reference = model.reference
     repository, tag = image_reference.rsplit(":", 1)
     chart_dir = render_chart(loaded, repository, tag, out / "src")
     lint(chart_dir)
+    report = check_chart(chart_dir)
+    if not report["passed"]:
+        errors = [f"[{name}] {e}" for name, r in report["value_sets"].items() for e in r["errors"]]
+        raise ChartError(f"{chart_dir.name}: {len(errors)} problem(s):\n" + "\n".join(errors[:20]))
     return package(chart_dir, out)
+
+
+def chart_run(loaded: LoadedSpec, values: dict[str, Any], image_reference: str | None = None) -> dict[str, Any]:
+    """Run the pod spec the model's chart renders in Docker and ask its probes."""
+    client = docker_client()
+    if image_reference is None:
+        _, model = build_model(client, loaded, lambda _: None)
+        image_reference = model.reference
+    repository, tag = image_reference.rsplit(":", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_chart(client, render_chart(loaded, repository, tag, Path(tmp)), values)
 
 
 def harness_config(loaded: LoadedSpec) -> HarnessConfig:

@@ -1,0 +1,126 @@
+"""`inferkiln chart run`: run the pod spec a chart renders in Docker and ask its probes as the
+kubelet would (HTTP GET to the pod's own address, success for 200-399), which proves a chart here,
+where no cluster can run.
+
+Probes are asked every half second rather than every `periodSeconds`, within each probe's own time
+budget (`initialDelaySeconds + periodSeconds * failureThreshold`), so a run takes seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from factory.chart import ChartError
+from factory.chart_checks import pod_specs, render_objects
+
+POLL_SECONDS = 0.5
+
+
+def workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet") and pod_specs(obj):
+            return obj
+    raise ChartError("the chart renders no Deployment or StatefulSet to run")
+
+
+def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
+    """The container's settings as `docker run` options: env, user, filesystem, capabilities, mounts."""
+    container = pod["containers"][0]
+    ctx, pod_ctx = container.get("securityContext") or {}, pod.get("securityContext") or {}
+    env = {}
+    for item in container.get("env", []):
+        if "value" not in item:
+            raise ChartError(f"env {item['name']}: only literal values can run here (no valueFrom)")
+        env[item["name"]] = str(item["value"])
+    user = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
+    group = ctx.get("runAsGroup", pod_ctx.get("runAsGroup"))
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    tmpfs, mounts = {}, {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"])
+        if volume is None:
+            raise ChartError(f"volumeMount {mount['name']} names no volume of the pod")
+        if "emptyDir" in volume:
+            tmpfs[mount["mountPath"]] = "mode=1777"  # emptyDir directories are world-writable
+        elif "persistentVolumeClaim" in volume:
+            mounts[f"inferkiln-{release}-{volume['persistentVolumeClaim']['claimName']}"] = {"bind": mount["mountPath"], "mode": "rw"}
+        elif "hostPath" in volume:
+            mounts[volume["hostPath"]["path"]] = {"bind": mount["mountPath"], "mode": "rw"}
+        else:
+            raise ChartError(f"volume {mount['name']}: {', '.join(set(volume) - {'name'})} cannot be mounted here")
+    options: dict[str, Any] = {
+        "environment": env, "tmpfs": tmpfs, "volumes": mounts,
+        "read_only": bool(ctx.get("readOnlyRootFilesystem")),
+        "cap_drop": list((ctx.get("capabilities") or {}).get("drop") or []),
+        "cap_add": list((ctx.get("capabilities") or {}).get("add") or []),
+        "security_opt": ["no-new-privileges"] if ctx.get("allowPrivilegeEscalation") is False else [],
+    }
+    if user is not None:
+        options["user"] = f"{user}:{group}" if group is not None else str(user)
+    if container.get("command"):
+        options["entrypoint"] = container["command"]
+    if container.get("args"):
+        options["command"] = container["args"]
+    return options
+
+
+def probe_url(container: dict[str, Any], probe: dict[str, Any], address: str) -> str:
+    get = probe.get("httpGet")
+    if not get:
+        raise ChartError("only httpGet probes can be asked here")
+    port = get["port"]
+    if isinstance(port, str) and not port.isdigit():
+        named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        if port not in named:
+            raise ChartError(f"probe port {port!r} is not a named port of the container ({sorted(named)})")
+        port = named[port]
+    return f"http://{address}:{port}{get.get('path', '/')}"
+
+
+def ask(url: str, probe: dict[str, Any], running) -> str | None:
+    """None when the probe succeeds within its budget, else the last failure."""
+    budget = probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+    deadline, last = time.monotonic() + budget, "never asked"
+    while time.monotonic() < deadline:
+        running.reload()
+        if running.status in ("exited", "dead"):
+            return f"the container exited ({running.attrs['State'].get('ExitCode')})"
+        try:
+            response = httpx.get(url, timeout=probe.get("timeoutSeconds", 1) + 1)
+            if 200 <= response.status_code < 400:
+                return None
+            last = f"answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"failed: {type(exc).__name__}: {exc or 'no answer'}"
+        time.sleep(POLL_SECONDS)
+    return last
+
+
+def run_chart(client, chart_dir: Path, values: dict[str, Any], release: str = "chart-run") -> dict[str, Any]:
+    """Run the rendered pod and ask startup, then readiness and liveness; raise ChartError on failure."""
+    obj = workload(render_objects(chart_dir, values, release))
+    pod = pod_specs(obj)[0]
+    container = pod["containers"][0]
+    running = client.containers.run(container["image"], detach=True, **docker_options(pod, release))
+    results: dict[str, Any] = {"workload": f"{obj['kind']}/{obj['metadata']['name']}", "image": container["image"]}
+    try:
+        running.reload()
+        address = running.attrs["NetworkSettings"]["IPAddress"]
+        for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(name)
+            if not probe:
+                results[name] = "absent"
+                continue
+            url = probe_url(container, probe, address)
+            failure = ask(url, probe, running)
+            results[name] = f"GET {url.replace(address, '<pod>')}: {failure or 'ok'}"
+            if failure:
+                logs = running.logs(tail=30).decode(errors="replace")
+                raise ChartError(f"{name} GET {url.replace(address, '<pod>')} {failure}\nlast log lines:\n{logs}")
+        return results
+    finally:
+        running.remove(force=True)

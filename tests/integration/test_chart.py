@@ -1,0 +1,147 @@
+"""The nim-llm chart with the real helm: lint, the value matrix against the Kubernetes API schemas,
+schema rejection, policy checks, `chart run` in Docker, and deploy without a cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from factory.chart import ChartError, helm, lint, render_chart
+from factory.chart_checks import MATRIX, check_chart, kubernetes_versions, policy_errors, render_objects
+from factory.spec import load_spec
+from service.launcher import free_port
+
+SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama.yaml"
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir, tmp_path_factory):
+    data = yaml.safe_load(SAMPLE.read_text())
+    data["model"]["source"] = f"local://{tiny_model_dir}"
+    path = tmp_path_factory.mktemp("spec") / "tiny-llama.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_spec(path)
+
+
+@pytest.fixture(scope="module")
+def chart_dir(spec, tmp_path_factory):
+    return render_chart(spec, "registry.local/inferkiln/tiny-llama", "0.1.0-abc123", tmp_path_factory.mktemp("chart"))
+
+
+def test_per_model_chart_metadata_and_defaults(chart_dir):
+    meta = yaml.safe_load((chart_dir / "Chart.yaml").read_text())
+    assert (meta["name"], meta["version"], meta["appVersion"]) == ("tiny-llama", "0.1.0", "0.1.0-abc123")
+    values = yaml.safe_load((chart_dir / "values.yaml").read_text())
+    assert values["image"]["repository"] == "registry.local/inferkiln/tiny-llama"
+    assert values["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+
+
+def test_lint_strict_and_every_value_set_validates(chart_dir, tmp_path):
+    lint(chart_dir)
+    for name, values in MATRIX.items():
+        values_file = tmp_path / f"{name}.yaml"
+        values_file.write_text(yaml.safe_dump(values))
+        lint(chart_dir, [values_file])
+    report = check_chart(chart_dir)
+    assert len(report["kubernetes_versions"]) == 3 and report["kubernetes_versions"] == kubernetes_versions()
+    assert report["passed"], {k: v["errors"] for k, v in report["value_sets"].items() if v["errors"]}
+    kinds = {name: {o.split("/")[0] for o in r["objects"]} for name, r in report["value_sets"].items()}
+    assert "Deployment" in kinds["cpu"] and "StatefulSet" in kinds["persistence"]
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds["autoscaling"]
+    assert "LeaderWorkerSet" in kinds["multiNode"] and "Deployment" not in kinds["multiNode"]
+    assert {"Ingress", "NetworkPolicy", "ServiceMonitor", "ConfigMap"} <= kinds["ingress"]
+
+
+def test_rendered_pod_is_secure_with_probes_and_gpu_toleration(chart_dir):
+    objects = render_objects(chart_dir, MATRIX["gpu"])
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v1/health/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v1/health/ready"
+    assert container["startupProbe"]["failureThreshold"] >= 60
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["model-cache"] == "/opt/nim/.cache" and mounts["dshm"] == "/dev/shm"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NIM_CACHE_PATH"] == "/opt/nim/.cache" and env["NIM_JSONL_LOGGING"] == "1"
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"replicaCount": "many"}, "at '/replicaCount': got string, want integer"),
+    ({"colour": "blue"}, "additional properties 'colour' not allowed"),
+    ({"model": {"logLevel": "LOUD"}}, "/model/logLevel"),
+    ({"persistence": {"enabled": "yes"}}, "/persistence/enabled"),
+])
+def test_schema_rejects_bad_values_with_helms_error(chart_dir, tmp_path, values, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(values))
+    with pytest.raises(ChartError) as err:
+        helm("template", "x", str(chart_dir), "-f", str(bad))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override,problem", [
+    ({"containerSecurityContext": {"allowPrivilegeEscalation": True, "capabilities": {"drop": ["ALL"]}}},
+     "allowPrivilegeEscalation: false"),
+    ({"containerSecurityContext": {"privileged": True, "allowPrivilegeEscalation": False,
+                                   "capabilities": {"drop": ["ALL"]}}}, "privileged"),
+    ({"podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False}}, "non-root"),
+    ({"hostPath": "/srv/models"}, "hostPath"),
+    ({"containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["SYS_ADMIN"]}}},
+     "adds capabilities ['SYS_ADMIN']"),
+    ({"image": {"tag": "latest"}}, "not pinned"),
+    ({"readinessProbe": None}, "no readinessProbe"),
+])
+def test_policy_checks_fail_on_unsafe_overrides(chart_dir, override, problem):
+    errors = policy_errors(render_objects(chart_dir, override))
+    assert any(problem in e for e in errors), errors
+
+
+def test_deploy_without_a_cluster_fails_clearly(spec, tmp_path):
+    port = free_port()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "none",
+        "clusters": [{"name": "none", "cluster": {"server": f"https://127.0.0.1:{port}", "insecure-skip-tls-verify": True}}],
+        "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}],
+        "users": [{"name": "none", "user": {"token": "x"}}]}))
+    from factory.deploy import DeployError, api_client
+
+    with pytest.raises(DeployError, match=f"no Kubernetes cluster reachable at https://127.0.0.1:{port}"):
+        api_client(kubeconfig)
+    with pytest.raises(DeployError, match="not a usable kubeconfig"):
+        api_client(tmp_path / "missing")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "factory.cli", *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_chart_run_passes_for_the_tiny_model_image(spec):
+    result = run_cli("chart", "run", str(spec.path), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    probes = json.loads(result.stdout)
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probes[name].endswith(": ok"), probes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,message", [
+    ("readinessProbe.httpGet.path=/v1/health/wrong", "readinessProbe GET http://<pod>:8000/v1/health/wrong answered 404"),
+    ("readinessProbe.httpGet.port=9999", "readinessProbe GET http://<pod>:9999/v1/health/ready failed: ConnectError"),
+    ("livenessProbe.httpGet.port=metrics", "probe port 'metrics' is not a named port"),
+])
+def test_chart_run_fails_clearly_on_a_wrong_probe(spec, override, message):
+    result = run_cli("chart", "run", str(spec.path), "--set", override,
+                     "--set", "readinessProbe.periodSeconds=1", "--set", "livenessProbe.periodSeconds=1")
+    assert result.returncode == 1
+    assert message in result.stderr, result.stderr[-2000:]
