@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-import httpx
-
 from factory.render import PORT, UID
+from service.launcher import wait_until_ready
 
 # What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp.
 POD_LIKE = {"user": f"{UID}:{UID}", "read_only": True,
@@ -50,16 +48,11 @@ def start_model(client, reference: str, env: dict[str, str] | None = None, timeo
 
 
 def wait_ready(running: RunningModel, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def exited() -> str | None:
         running.container.reload()
         if running.container.status in ("exited", "dead"):
-            raise ContainerError(f"the container exited ({running.container.attrs['State'].get('ExitCode')}):\n"
-                                 f"{running.logs()}")
-        try:
-            if httpx.get(f"{running.url}/v1/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise ContainerError(f"not ready after {timeout:.0f}s:\n{running.logs()}")
+            return f"the container exited ({running.container.attrs['State'].get('ExitCode')})"
+        return None
+
+    if reason := wait_until_ready(running.url, exited, timeout):
+        raise ContainerError(f"{reason}:\n{running.logs()}")

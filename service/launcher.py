@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_ready(url: str, exited: Callable[[], str | None], timeout: float) -> str | None:
+    """Poll `url`/v1/health/ready: None once it answers 200, else why not (exited, or time ran out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if reason := exited():
+            return reason
+        try:
+            if httpx.get(f"{url}/v1/health/ready", timeout=2).status_code == 200:
+                return None
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return f"not ready after {timeout:.0f}s"
 
 
 class ServerProcess:
@@ -45,17 +61,11 @@ class ServerProcess:
         return self
 
     def wait_for_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/v1/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {self.timeout}s: {self.log_tail()}")
+        def exited() -> str | None:
+            return f"server exited with {self.proc.returncode}" if self.proc.poll() is not None else None
+
+        if reason := wait_until_ready(self.url, exited, self.timeout):
+            raise RuntimeError(f"{reason}: {self.log_tail()}")
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path and self.log_path.exists() else ""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from factory.paths import cache_dir
 
 BUILDER_VERSION = "1"
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
@@ -72,18 +73,13 @@ def recipe_digest(recipe: Recipe = Recipe()) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def default_cache_root() -> Path:
-    root = os.environ.get("INFERKILN_CACHE") or Path.home() / ".cache" / "inferkiln"
-    return Path(root)
-
-
 def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Path:
     """Return a directory holding the tiny model, training it only when no valid copy exists.
 
     The model is built once into the cache; `out` gets a copy of the cached build.
     """
     digest = recipe_digest(recipe)
-    cached = default_cache_root() / "models" / digest[:16] / MODEL_NAME
+    cached = cache_dir() / "models" / digest[:16] / MODEL_NAME
     if not _is_complete(cached, digest):
         _build_into(cached, recipe, digest)
     if out is None:
