@@ -53,11 +53,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         first = spec_for(Path(tmp), ensure_tiny_model(), "bench-first")
         second = spec_for(Path(tmp), ensure_tiny_model(), "bench-second")
-        runtime, model = build_model(client, first, quiet, no_cache=True)
+        runtime, model = build_model(client, first, quiet, cold=True)
         cold = runtime.seconds + model.seconds
         again_runtime, again_model = build_model(client, first, quiet)
         noop = again_runtime.seconds + again_model.seconds
-        other_runtime, other_model = build_model(client, second, quiet, no_cache=True)
+        other_runtime, other_model = build_model(client, second, quiet)
         starts = []
         for _ in range(args.starts):
             t = time.perf_counter()

@@ -173,13 +173,13 @@ def build_context(client, context: Path, reference: str, progress: Progress, no_
     return image_id or client.images.get(reference).id
 
 
-def build_runtime(client, plan: RuntimePlan, progress: Progress, no_cache: bool = False) -> BuiltImage:
+def build_runtime(client, plan: RuntimePlan, progress: Progress, cold: bool = False) -> BuiltImage:
     start = time.perf_counter()
     requirements = runtime_requirements(plan)
     digest = hashlib.sha256(json.dumps([plan.flavor, plan.base_image, plan.requirement, plan.dockerfile(),
                                         requirements, source_digest()]).encode()).hexdigest()
     reference = f"inferkiln/runtime-{plan.flavor}:{digest[:12]}"
-    if existing := _existing(client, reference):
+    if not cold and (existing := _existing(client, reference)):
         return BuiltImage(reference, existing, False, time.perf_counter() - start)
     if plan.flavor != "cpu":
         raise BuildError(f"the {plan.flavor} runtime renders here but builds only where its base image "
@@ -193,7 +193,7 @@ def build_runtime(client, plan: RuntimePlan, progress: Progress, no_cache: bool 
             os.link(wheel, context / "wheels" / wheel.name)
         build_project_wheel(context / "wheels")
         progress(f"building {reference}...")
-        image_id = build_context(client, context, reference, progress, no_cache)
+        image_id = build_context(client, context, reference, progress, no_cache=cold)
     return BuiltImage(reference, image_id, True, time.perf_counter() - start)
 
 
@@ -223,20 +223,21 @@ def model_reference(loaded: LoadedSpec, digest: str) -> str:
 
 
 def build_model(client, loaded: LoadedSpec, progress: Progress,
-                no_cache: bool = False) -> tuple[BuiltImage, BuiltImage]:
+                cold: bool = False) -> tuple[BuiltImage, BuiltImage]:
     """The runtime image (shared) and the model image on top; both return at once when unchanged.
 
-    `no_cache` ignores Docker's layer cache (for measuring cold builds)."""
-    runtime = build_runtime(client, RuntimePlan.for_spec(loaded), progress, no_cache)
+    `cold` rebuilds both from scratch, ignoring existing images and Docker's layer cache (for
+    measuring cold builds)."""
+    runtime = build_runtime(client, RuntimePlan.for_spec(loaded), progress, cold)
     start = time.perf_counter()
     digest = model_digest(loaded, runtime.reference)
     reference = model_reference(loaded, digest)
-    if existing := _existing(client, reference):
+    if not cold and (existing := _existing(client, reference)):
         return runtime, BuiltImage(reference, existing, False, time.perf_counter() - start)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         context = write_model_context(loaded, Path(tmp) / "model", runtime.reference, model_labels(loaded, digest))
         progress(f"building {reference}...")
-        image_id = build_context(client, context, reference, progress, no_cache)
+        image_id = build_context(client, context, reference, progress, no_cache=cold)
     return runtime, BuiltImage(reference, image_id, True, time.perf_counter() - start)
 
 

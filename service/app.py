@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -27,11 +26,6 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
         async def load() -> None:
             try:
                 await runtime.engine.start()
-                # Everything alive now (torch, transformers, the weights' wrappers) lives as long as
-                # the process: keep it out of the cyclic collector, whose full passes over millions of
-                # start-up objects otherwise stall every request for tens of milliseconds.
-                gc.collect()
-                gc.freeze()
                 log.info("engine ready: %s serving %s", runtime.profile.name, runtime.served_model_name)
             except Exception as exc:
                 runtime.failure = f"{type(exc).__name__}: {exc}"
