@@ -107,9 +107,12 @@ def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_
                  "throughput_vs_concurrency.png", "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
         assert (tmp_path / name).is_file(), name
     export = json.loads((tmp_path / "profile_export_aiperf.json").read_text())["levels"]["4"]
-    for metric in ("time_to_first_token", "inter_token_latency", "request_latency"):
+    for metric in ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency"):
         assert set(export[metric]) == {"unit", "avg", "min", "max", "p50", "p90", "p95", "p99", "std"}
     assert export["output_sequence_length"]["avg"] == 16 and export["error_request_count"]["avg"] == 0
+    record = json.loads((tmp_path / "requests.jsonl").read_text().splitlines()[0])
+    expected_itl = (record["latency"] - record["ttft"]) / (record["output_tokens"] - 1)
+    assert record["inter_token_latency"] == pytest.approx(expected_itl)
     assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 16
     assert "data:image/png;base64," in (tmp_path / "index.html").read_text()
     assert "| 4 |" in (tmp_path / "summary.md").read_text()
