@@ -287,8 +287,18 @@ class OpenAIServing:
             finally:
                 await queue.put(end)
 
+        def record(position: int, deltas: list[ChoiceDelta]):
+            for delta in deltas:
+                index = position * job.params.n + delta.index
+                job.choices.setdefault(index, ChoiceState()).add(delta)
+                yield index, delta
+
+        if len(streams) == 1:  # the usual single prompt: no task and no extra queue hop per token
+            async for deltas in streams[0]:
+                for item in record(0, deltas):
+                    yield item
+            return
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        offsets = [i * job.params.n for i in range(len(streams))]
         open_streams = len(streams)
         try:
             while open_streams:
@@ -298,11 +308,8 @@ class OpenAIServing:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                position, deltas = item
-                for delta in deltas:
-                    index = offsets[position] + delta.index
-                    job.choices.setdefault(index, ChoiceState()).add(delta)
-                    yield index, delta
+                for merged in record(*item):
+                    yield merged
         finally:
             for task in tasks:
                 task.cancel()
@@ -315,12 +322,17 @@ class OpenAIServing:
         try:
             async for deltas in stream:
                 now = time.perf_counter()
-                if any(d.token_ids for d in deltas):
-                    ttft = now - start if ttft is None else ttft
-                    if tokens:
-                        gaps.append(now - last)
+                per_choice: dict[int, int] = {}
+                for d in deltas:
+                    per_choice[d.index] = per_choice.get(d.index, 0) + len(d.token_ids)
+                steps = max(per_choice.values(), default=0)  # engine steps in this delivery
+                if steps:
+                    if ttft is None:
+                        ttft = now - start
+                    else:  # a lagging consumer gets several steps at once: one gap per token
+                        gaps += [(now - last) / steps] * steps
                     last = now
-                tokens += sum(len(d.token_ids) for d in deltas)
+                tokens += sum(per_choice.values())
                 for d in deltas:
                     if d.finish_reason:
                         reasons[d.index] = d.finish_reason

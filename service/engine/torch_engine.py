@@ -75,6 +75,9 @@ class _RequestState:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+_NOTHING = object()  # no item held back (None is the end of a stream)
+
+
 def _deliver(batch: list[tuple[_RequestState, list[ChoiceDelta]]]) -> None:
     """Runs on the event loop: hand each request its step's deltas."""
     for state, items in batch:
@@ -179,10 +182,16 @@ class TorchEngine(Engine):
     async def _stream(self, state: _RequestState) -> AsyncIterator[list[ChoiceDelta]]:
         """Yield the request's deltas; when the consumer falls behind, several steps come as one list."""
         try:
+            pending: object = _NOTHING
             while True:
-                item = await state.queue.get()
-                while isinstance(item, list) and not state.queue.empty() and isinstance(state.queue._queue[0], list):
-                    item = item + state.queue.get_nowait()
+                item = pending if pending is not _NOTHING else await state.queue.get()
+                pending = _NOTHING
+                while isinstance(item, list) and not state.queue.empty():
+                    following = state.queue.get_nowait()
+                    if not isinstance(following, list):
+                        pending = following  # the end or an error: handled after this batch
+                        break
+                    item = item + following
                 if item is None:
                     return
                 if isinstance(item, BaseException):
