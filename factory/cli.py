@@ -181,8 +181,7 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
         groups = ("openai", "nim") if suite == "nim" else ("openai",)
         result = run_harness(url.rstrip("/"), model, HarnessConfig(groups=groups), report_dir,
                              pairs=load_pairs(dataset), model_dir=model_dir, progress=say)
-    emit({k: v for k, v in result.items() if k != "performance"} if as_json else result, as_json,
-         f"{result['summary']}\nreport: {report_dir / 'summary.md'}")
+    emit(result, as_json, f"{result['summary']}\nreport: {report_dir / 'summary.md'}")
     if not result["passed"]:
         raise typer.Exit(1)
 

@@ -38,10 +38,7 @@ def build(loaded: LoadedSpec, progress: Progress) -> tuple[BuiltImage, BuiltImag
 
 def chart(loaded: LoadedSpec, out: Path, image_reference: str | None = None) -> Path:
     """Render, lint and check (value matrix, API schemas, policy) the model's chart; package it."""
-    if image_reference is None:
-        _, model = build_model(docker_client(), loaded, lambda _: None)
-        image_reference = model.reference
-    repository, tag = image_reference.rsplit(":", 1)
+    repository, tag = _image(loaded, image_reference).rsplit(":", 1)
     chart_dir = render_chart(loaded, repository, tag, out / "src")
     lint(chart_dir)
     report = check_chart(chart_dir)
@@ -53,13 +50,14 @@ def chart(loaded: LoadedSpec, out: Path, image_reference: str | None = None) -> 
 
 def chart_run(loaded: LoadedSpec, values: dict[str, Any], image_reference: str | None = None) -> dict[str, Any]:
     """Run the pod spec the model's chart renders in Docker and ask its probes."""
-    client = docker_client()
-    if image_reference is None:
-        _, model = build_model(client, loaded, lambda _: None)
-        image_reference = model.reference
-    repository, tag = image_reference.rsplit(":", 1)
+    repository, tag = _image(loaded, image_reference).rsplit(":", 1)
     with tempfile.TemporaryDirectory() as tmp:
-        return run_chart(client, render_chart(loaded, repository, tag, Path(tmp)), values)
+        return run_chart(docker_client(), render_chart(loaded, repository, tag, Path(tmp)), values)
+
+
+def _image(loaded: LoadedSpec, reference: str | None) -> str:
+    """The given image reference, or the spec's model image (built first if it is not)."""
+    return reference or build_model(docker_client(), loaded, lambda _: None)[1].reference
 
 
 def harness_config(loaded: LoadedSpec) -> HarnessConfig:
