@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import write_result
-from factory.harness.load import LoadSettings, run_load, summarize
+from factory.verify.load import LoadSettings, run_load, summarize
 from service.launcher import free_port
 
 

@@ -1,6 +1,8 @@
-"""The `inferkiln` command line: thin Typer commands over the stage functions.
+"""The `inferkiln` command line: thin Typer commands over the pipeline runner.
 
 Exit codes: 0 success, 1 a check failed (tests, lint, build, push), 2 bad input (spec, flags).
+An expected failure prints `error: STAGE: message` and exits with its code; only a bug shows a
+traceback.
 """
 
 from __future__ import annotations
@@ -8,105 +10,130 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
+T = TypeVar("T")
 
 app = typer.Typer(help="inferkiln: a factory for OpenAI-compatible LLM inference microservices.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 Spec = Annotated[Path, typer.Argument(help="A model spec (pipelines/models/*.yaml).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+Registry = Annotated[str | None, typer.Option(help="HOST[:PORT] of the OCI registry the image and chart are named for.")]
 
 
 def say(message: str) -> None:
     typer.echo(message, err=True)
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+def exit_with(failure) -> NoReturn:
+    """The one way a command fails: `error: STAGE: message` and the contract's exit code."""
+    typer.echo(f"error: {failure}", err=True)
+    raise typer.Exit(failure.exit_code)
 
 
-def load(path: Path):
-    from factory.spec import SpecError, load_spec
-
-    try:
-        return load_spec(path)
-    except SpecError as exc:
-        for line in exc.lines:
-            typer.echo(line, err=True)
-        raise typer.Exit(2) from None
-
-
-def checked(work):
-    """Run a stage, turning the factory's domain errors into one line and exit code 1."""
-    from factory.chart import ChartError
-    from factory.container import ContainerError
-    from factory.images import BuildError
-    from factory.publish import PublishError
-    from factory.stack import StackError
+def guarded(command: str, work: Callable[[], T]) -> T:
+    """Run `work`; the factory's expected failures (StageFailed and its errors) end the command."""
+    from factory.pipeline.runner import StageFailed, stage_errors
 
     try:
-        return work()
-    except (BuildError, ChartError, ContainerError, PublishError, StackError) as exc:
-        raise fail(str(exc)) from None
+        with stage_errors(command):
+            return work()
+    except StageFailed as failure:
+        exit_with(failure)
 
 
-def emit(result: dict, as_json: bool, text: str) -> None:
-    typer.echo(json.dumps(result, indent=2) if as_json else text)
+def runner(spec: Path, registry: str | None = None, **settings: Any):
+    from factory.pipeline.runner import RunSettings, Runner
+
+    return Runner(spec, RunSettings(registry=registry, **settings), say)
+
+
+def emit(result: Any, as_json: bool, text: str) -> None:
+    typer.echo(json.dumps(result, indent=2, default=str) if as_json else text)
 
 
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="Model specs to check.")]) -> None:
     """Check model specs; errors name the file, the field and the allowed values."""
     for path in specs:
-        loaded = load(path)
+        loaded = guarded("validate", runner(path).validate)
         typer.echo(f"{path}: ok ({loaded.spec.metadata.name} {loaded.spec.metadata.version})")
 
 
 @app.command()
-def render(spec: Spec, out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write.")] = Path("build/render")) -> None:
-    """Write the build contexts (Dockerfiles, manifest, wheel list) and the chart; build nothing."""
-    from factory.stages import render as render_stage
-
-    paths = checked(lambda: render_stage(load(spec), out))
-    for kind, path in paths.items():
-        typer.echo(f"{kind}: {path}")
+def render(spec: Spec, out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write.")] = Path("build/render"),
+           wheels: Annotated[bool, typer.Option("--wheels", help="Fetch the wheelhouse if it is not cached (network).")] = False,
+           registry: Registry = None) -> None:
+    """Write the build contexts `build` builds (docker build works on them) and the chart; build nothing."""
+    contexts, chart_dir = guarded("render", lambda: runner(spec, registry).render(out, fetch_wheels=wheels))
+    typer.echo(f"runtime: {contexts.runtime_dir} ({contexts.plan.runtime_reference})")
+    typer.echo(f"model: {contexts.model_dir} ({contexts.plan.model_reference})")
+    typer.echo(f"chart: {chart_dir}")
+    if not contexts.wheels_included:
+        say("note: the wheelhouse is not cached, so runtime/wheels/ is empty: `inferkiln build` or "
+            "`inferkiln render --wheels` fetches it")
 
 
 @app.command()
 def build(spec: Spec, as_json: JsonFlag = False) -> None:
     """Build the runtime and model images through the Docker Engine API."""
-    from factory.stages import build as build_stage, built_summary
+    images = guarded("build", runner(spec).build)
+    emit(asdict(images), as_json, f"{images.model.reference} {images.model.image_id}"
+                                  + ("" if images.model.built else " (unchanged)"))
 
-    runtime, model = checked(lambda: build_stage(load(spec), say))
-    result = {"runtime": built_summary(runtime), "model": built_summary(model)}
-    emit(result, as_json, f"{model.reference} {model.image_id}" + ("" if model.built else " (unchanged)"))
+
+@app.command()
+def lock(flavor: Annotated[str | None, typer.Argument(help="A runtime flavor; default: every flavor.")] = None,
+         check: Annotated[bool, typer.Option("--check", help="Exit 1 when a lock is stale against pyproject.toml.")] = False) -> None:
+    """(Re)write each runtime flavor's dependency lock (versions and hashes) with uv."""
+    from factory.errors import CheckFailed, InputError
+    from factory.image.flavors import FLAVORS
+    from factory.image.lock import compile_lock, stale_flavors
+
+    def work() -> None:
+        if flavor is not None and flavor not in FLAVORS:
+            raise InputError(f"unknown flavor {flavor!r}; one of {', '.join(FLAVORS)}")
+        names = [flavor] if flavor else list(FLAVORS)
+        if check:
+            if stale := stale_flavors(names):
+                raise CheckFailed(f"stale lock(s): {', '.join(stale)}; run `inferkiln lock {' '.join(stale)}`")
+            typer.echo(f"locks are current: {', '.join(names)}")
+            return
+        for name in names:
+            say(f"locking {name}...")
+            typer.echo(str(compile_lock(FLAVORS[name])))
+
+    guarded("lock", work)
 
 
 @app.command("base-image")
 def base_image() -> None:
     """Bootstrap the Debian bookworm + Python base image from Debian packages (cached by tag)."""
-    from factory.images import ensure_base_image
+    from factory.image.build import ensure_base_image
     from factory.stack import docker_client
 
-    typer.echo(checked(lambda: ensure_base_image(docker_client(), say)))
+    typer.echo(guarded("base-image", lambda: ensure_base_image(docker_client(), say)))
 
 
 def parse_sets(sets: list[str]) -> dict:
     """`a.b=value` pairs (values as YAML) into nested values, like helm's --set."""
     import yaml
 
-    from factory.chart import deep_merge
+    from factory.chart.render import deep_merge
+    from factory.errors import InputError
 
     values: dict = {}
     for item in sets:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise fail(f"--set {item!r}: expected key.path=value", 2)
+            raise InputError(f"--set {item!r}: expected key.path=value")
         node: dict = {}
         leaf = node
         *parents, last = key.split(".")
@@ -117,44 +144,56 @@ def parse_sets(sets: list[str]) -> dict:
     return values
 
 
-@app.command()
-def chart(target: Annotated[str, typer.Argument(help="A model spec, or `run` followed by a spec.")],
-          spec: Annotated[Path | None, typer.Argument(help="With `run`: the model spec.")] = None,
-          out: Annotated[Path, typer.Option("-o", "--out", help="Where the package goes.")] = Path("build/charts"),
-          sets: Annotated[list[str], typer.Option("--set", help="With `run`: override a value (key.path=value).")] = [],
-          as_json: JsonFlag = False) -> None:
-    """`chart SPEC`: render, lint, check and package the chart (the package path last).
-    `chart run SPEC`: run the pod spec it renders in Docker and ask its probes as the kubelet would."""
-    from factory import stages
+class ChartGroup(TyperGroup):
+    """`inferkiln chart SPEC` means `inferkiln chart package SPEC`; `chart run SPEC` is its own command."""
 
-    if target != "run":
-        typer.echo(str(checked(lambda: stages.chart(load(Path(target)), out))))
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["package", *args]
+        return super().parse_args(ctx, args)
+
+
+chart_app = typer.Typer(cls=ChartGroup, no_args_is_help=True,
+                        help="The per-model Helm chart: `chart SPEC` packages it, `chart run SPEC` runs its pod.")
+app.add_typer(chart_app, name="chart")
+
+
+@chart_app.command("package")
+def chart_package(spec: Spec,
+                  out: Annotated[Path, typer.Option("-o", "--out", help="Where the package goes.")] = Path("build/charts"),
+                  registry: Registry = None, as_json: JsonFlag = False) -> None:
+    """Render, lint and check (value matrix, API schemas, policy) the chart; package it (the path last)."""
+    package = guarded("chart", runner(spec, registry, chart_dir=out).chart)
+    if as_json:
+        emit(asdict(package), True, "")
         return
-    if spec is None:
-        raise fail("give a spec: inferkiln chart run SPEC", 2)
-    values = parse_sets(sets)
-    result = checked(lambda: stages.chart_run(load(spec), values))
+    typer.echo(f"checked with Kubernetes {', '.join(package.checks.kubernetes_versions)}: "
+               f"{len(package.checks.value_sets)} value sets; digest {package.digest}")
+    typer.echo(str(package.path))
+
+
+@chart_app.command("run")
+def chart_run(spec: Spec,
+              sets: Annotated[list[str], typer.Option("--set", help="Override a value (key.path=value).")] = [],
+              as_json: JsonFlag = False) -> None:
+    """Run the pod spec the chart renders in Docker and ask its probes as the kubelet would."""
+    result = guarded("chart run", lambda: runner(spec).chart_run(parse_sets(sets)))
     emit(result, as_json, "\n".join(f"{key}: {value}" for key, value in result.items()))
 
 
 @app.command()
 def deploy(spec: Spec, kubeconfig: Annotated[Path, typer.Option(help="kubeconfig of the target cluster.")],
            namespace: Annotated[str, typer.Option(help="Namespace of the release.")] = "default",
-           registry: Annotated[str | None, typer.Option(help="Deploy the image from this registry.")] = None) -> None:
-    """Install or upgrade the release on a real cluster and wait for the rollout."""
-    import tempfile
+           registry: Registry = None) -> None:
+    """Install or upgrade the release on a real cluster from the validated chart; wait for the rollout."""
+    from factory.chart.deploy import deploy as deploy_release
 
-    from factory.deploy import DeployError, deploy as deploy_release
-    from factory.stages import build as build_stage
+    def work():
+        run = runner(spec, registry)
+        run.build()
+        return deploy_release(run.chart(), run.validate().spec.metadata.name, kubeconfig, namespace)
 
-    loaded = load(spec)
-    _, model = checked(lambda: build_stage(loaded, say))
-    reference = f"{registry}/{model.reference}" if registry else model.reference
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = deploy_release(loaded, reference, kubeconfig, namespace, Path(tmp))
-    except DeployError as exc:
-        raise fail(str(exc)) from None
+    result = guarded("deploy", work)
     typer.echo(f"{result['release']} rolled out in {result['namespace']} (revision {result['revision']})")
 
 
@@ -168,50 +207,42 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
          suite: Annotated[str, typer.Option(help="openai, or nim (adds health, metadata, manifest, metrics).")] = "nim",
          as_json: JsonFlag = False) -> None:
     """Run the harness (conformance, accuracy, performance, metrics); write a report. Exit 1 when a gate fails."""
-    if (spec is None) == (url is None) or (url is not None and not model):
-        raise fail("give a SPEC, or --url URL --model NAME", 2)
-    if spec is not None:
-        from factory.stages import run_tests
+    from factory.errors import InputError
+    from factory.pipeline.runner import StageFailed
 
-        result, report_dir = checked(lambda: run_tests(load(spec), output, say))
-    else:
-        from factory.harness.run import HarnessConfig, load_pairs, run_harness
+    def work():
+        if (spec is None) == (url is None) or (url is not None and not model):
+            raise InputError("give a SPEC, or --url URL --model NAME")
+        if spec is not None:
+            return runner(spec, report_dir=output).test_report()
+        from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 
         report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
         groups = ("openai", "nim") if suite == "nim" else ("openai",)
-        result = run_harness(url.rstrip("/"), model, HarnessConfig(groups=groups), report_dir,
-                             pairs=load_pairs(dataset), model_dir=model_dir, progress=say)
-    emit(result, as_json, f"{result['summary']}\nreport: {report_dir / 'summary.md'}")
-    if not result["passed"]:
-        raise typer.Exit(1)
+        return run_harness(url.rstrip("/"), model, HarnessConfig(groups=groups), report_dir,
+                           pairs=load_pairs(dataset), model_dir=model_dir, progress=say)
+
+    report = guarded("test", work)
+    emit(report.model_dump(mode="json"), as_json, f"{report.summary}\nreport: {report.report_dir / 'summary.md'}")
+    if not report.passed:
+        exit_with(StageFailed("test", report.summary, 1))
 
 
 @app.command()
 def publish(spec: Spec, registry: Annotated[str, typer.Option(help="HOST[:PORT] of an OCI registry.")] = "127.0.0.1:5000",
             force: Annotated[bool, typer.Option("--force", help="Publish although the tests failed (recorded).")] = False,
             as_json: JsonFlag = False) -> None:
-    """Push image and chart to the registry and record the release; all or nothing."""
-    from factory.publish import publish as publish_stage
-    from factory.stack import docker_client
-    from factory.stages import build as build_stage, tests_for
-
-    loaded = load(spec)
-
-    def work():
-        client = docker_client()
-        _, model = build_stage(loaded, say)
-        tests = tests_for(loaded, model, say)
-        return publish_stage(client, loaded, model.reference, registry, tests, say, force=force)
-
-    release = checked(work)
+    """Push image, SBOM and the validated chart to the registry and record the release; all or nothing."""
+    release = guarded("publish", runner(spec, registry, force=force).publish)
     emit(release.model_dump(), as_json, f"{release.image.reference}@{release.image.digest}\n"
-                                        f"{release.chart.reference}@{release.chart.digest}")
+                                        f"{release.chart.reference}@{release.chart.digest}\n"
+                                        f"{release.sbom.reference if release.sbom else ''}")
 
 
 @app.command("catalog")
 def catalog_command(as_json: JsonFlag = False) -> None:
     """List the published releases."""
-    from factory.catalog import releases
+    from factory.release.catalog import releases
 
     entries = releases()
     if as_json:
@@ -220,7 +251,7 @@ def catalog_command(as_json: JsonFlag = False) -> None:
     for r in entries:
         flag = " (forced)" if r.forced else ""
         typer.echo(f"{r.time}  {r.name} {r.version}  {r.image.reference}@{r.image.digest[:19]}  "
-                   f"chart {r.chart.reference}  tests: {r.tests.get('summary', '?')}{flag}")
+                   f"chart {r.chart.reference}  tests: {r.tests.summary}{flag}")
 
 
 @app.command("stack")
@@ -228,24 +259,27 @@ def stack_command(registry: Annotated[str, typer.Option(help="Address of the loc
     """Start (or find) dockerd, the local registry and helm; idempotent."""
     from factory.stack import stack_up
 
-    for part, value in checked(lambda: stack_up(registry)).items():
+    for part, value in guarded("stack", lambda: stack_up(registry)).items():
         typer.echo(f"{part}: {value}")
 
 
 @app.command("run")
 def run_pipeline(pipeline: Annotated[Path, typer.Argument(help="A pipeline file (pipelines/*.yaml).")]) -> None:
-    """Run a pipeline file's stages for each of its specs."""
-    from factory.pipeline import PipelineError, load_pipeline, run
+    """Run a pipeline file's stages for each of its specs; one line per stage."""
+    from factory.pipeline.files import load_pipeline, run_pipeline as run_stages
+    from factory.pipeline.runner import StageFailed
 
-    try:
-        loaded = load_pipeline(pipeline)
-    except PipelineError as exc:
-        raise fail(str(exc), 2) from None
-    results = checked(lambda: run(loaded, say))
-    for line in results:
-        typer.echo(line)
-    if any(line.startswith("FAIL") for line in results):
-        raise typer.Exit(1)
+    def report(spec_path: Path, outcome) -> None:
+        if isinstance(outcome, StageFailed):
+            typer.echo(f"FAIL {spec_path.name} {outcome.stage}: {outcome.message}")
+            typer.echo(f"error: {outcome}", err=True)  # as any other command reports a failure
+        else:
+            typer.echo(f"PASS {spec_path.name} {outcome.stage} ({outcome.seconds}s): {outcome.detail}")
+
+    loaded = guarded("run", lambda: load_pipeline(pipeline))
+    failures = run_stages(loaded, say, report)
+    if failures:
+        raise typer.Exit(max(f.exit_code for f in failures))
 
 
 @app.command("tiny-model")
@@ -259,11 +293,12 @@ def tiny_model(out: Annotated[Path | None, typer.Option("--out", help="Directory
 
 @app.command()
 def demo(registry: Annotated[str, typer.Option(help="The local registry to publish to.")] = "127.0.0.1:5000",
-         keep: Annotated[bool, typer.Option("--keep/--no-keep", help="Leave the model running and print a curl line.")] = True) -> None:
+         keep: Annotated[bool, typer.Option("--keep/--no-keep", help="Leave the model running and print a curl line.")] = True,
+         spec: Annotated[Path | None, typer.Option(help="Another spec than the bundled tiny model's.")] = None) -> None:
     """The whole path on the bundled tiny model: stack, build, chart, test, publish; prints the report."""
-    from factory.demo import run_demo
+    from factory.pipeline.demo import run_demo
 
-    raise typer.Exit(checked(lambda: run_demo(registry=registry, keep=keep, echo=typer.echo, progress=say)))
+    guarded("demo", lambda: run_demo(registry=registry, keep=keep, echo=typer.echo, progress=say, spec=spec))
 
 
 def main() -> None:

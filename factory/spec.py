@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from factory.errors import InputError
 from service.manifest import Engine, Precision
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,51}[a-z0-9])?$")  # usable as image name, chart name and DNS label
@@ -21,7 +22,7 @@ SEMVER = re.compile(r"^\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$")
 QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """The spec is invalid; `lines` has one `file: field: problem` line per error."""
 
     def __init__(self, lines: list[str]) -> None:

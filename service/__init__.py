@@ -1,8 +1,5 @@
 """The inferkiln runtime: an OpenAI-compatible, NIM-style inference microservice."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("inferkiln")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0+source"
+# The one place the release version is written: pyproject.toml reads it, and images carry the
+# `service` package itself (not an installed distribution), so metadata look-ups would miss it.
+__version__ = "0.1.0"

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-DEFAULT_MANIFEST_PATH = "/opt/nim/etc/default/model_manifest.yaml"
+from service.image_contract import CACHE_PATH, MANIFEST_PATH, PORT
+
 SECRET_FIELDS = frozenset({"api_key"})
 
 
@@ -31,10 +32,10 @@ class Settings(BaseModel):
     model_profile: str | None = _opt(
         "NIM_MODEL_PROFILE", "--profile", "Profile id or name; unset selects one automatically from the hardware.", default=None)
     manifest_path: str = _opt(
-        "NIM_MANIFEST_PATH", "--manifest", "The model manifest (YAML).", default=DEFAULT_MANIFEST_PATH)
-    cache_path: str = _opt("NIM_CACHE_PATH", "--cache-path", "The weights cache directory.", default="/opt/nim/.cache")
+        "NIM_MANIFEST_PATH", "--manifest", "The model manifest (YAML).", default=MANIFEST_PATH)
+    cache_path: str = _opt("NIM_CACHE_PATH", "--cache-path", "The weights cache directory.", default=CACHE_PATH)
     host: str = _opt("NIM_SERVER_HOST", "--host", "Address the HTTP server binds.", default="0.0.0.0")
-    server_port: int = _opt("NIM_SERVER_PORT", "--port", "HTTP port.", default=8000, ge=0, le=65535)
+    server_port: int = _opt("NIM_SERVER_PORT", "--port", "HTTP port.", default=PORT, ge=0, le=65535)
     max_model_len: int | None = _opt(
         "NIM_MAX_MODEL_LEN", "--max-model-len", "Context limit (prompt + output); default: the model config.", default=None, ge=1)
     max_num_seqs: int | None = _opt(

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factory.chart import ChartError, helm, lint, render_chart
-from factory.chart_checks import MATRIX, check_chart, kubernetes_versions, policy_errors, render_objects
+from factory.chart.checks import MATRIX, check_chart, kubernetes_versions, policy_errors, render_objects
+from factory.chart.helm import ChartError, helm, lint
+from factory.chart.render import render_chart
 from factory.spec import load_spec
 from service.launcher import free_port
 
@@ -30,7 +31,7 @@ def spec(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chart_dir(spec, tmp_path_factory):
-    return render_chart(spec, "registry.local/inferkiln/tiny-llama", "0.1.0-abc123", tmp_path_factory.mktemp("chart"))
+    return render_chart(spec, "registry.local/inferkiln/tiny-llama:0.1.0-abc123", tmp_path_factory.mktemp("chart"))
 
 
 def test_per_model_chart_metadata_and_defaults(chart_dir):
@@ -48,9 +49,9 @@ def test_lint_strict_and_every_value_set_validates(chart_dir, tmp_path):
         values_file.write_text(yaml.safe_dump(values))
         lint(chart_dir, [values_file])
     report = check_chart(chart_dir)
-    assert len(report["kubernetes_versions"]) == 3 and report["kubernetes_versions"] == kubernetes_versions()
-    assert report["passed"], {k: v["errors"] for k, v in report["value_sets"].items() if v["errors"]}
-    kinds = {name: {o.split("/")[0] for o in r["objects"]} for name, r in report["value_sets"].items()}
+    assert len(report.kubernetes_versions) == 3 and report.kubernetes_versions == kubernetes_versions()
+    assert report.passed, report.errors()
+    kinds = {name: {o.split("/")[0] for o in r.objects} for name, r in report.value_sets.items()}
     assert "Deployment" in kinds["cpu"] and "StatefulSet" in kinds["persistence"]
     assert {"HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds["autoscaling"]
     assert "LeaderWorkerSet" in kinds["multiNode"] and "Deployment" not in kinds["multiNode"]
@@ -113,7 +114,7 @@ def test_deploy_without_a_cluster_fails_clearly(spec, tmp_path):
         "clusters": [{"name": "none", "cluster": {"server": f"https://127.0.0.1:{port}", "insecure-skip-tls-verify": True}}],
         "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}],
         "users": [{"name": "none", "user": {"token": "x"}}]}))
-    from factory.deploy import DeployError, api_client
+    from factory.chart.deploy import DeployError, api_client
 
     with pytest.raises(DeployError, match=f"no Kubernetes cluster reachable at https://127.0.0.1:{port}"):
         api_client(kubeconfig)

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from factory.cli import app as cli
-from factory.harness.load import LoadSettings, run_load, summarize
-from factory.harness.run import HarnessConfig, load_pairs, run_harness
+from factory.verify.load import LoadSettings, run_load, summarize
+from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 from service.launcher import free_port
 
 QUICK = HarnessConfig(concurrency=[1, 4], requests_per_level=8, output_tokens=16, slo={"ttft_p99_ms": 5000})
@@ -91,18 +91,17 @@ def proxy(server):
         thread.join(10)
 
 
-def failed_ids(result: dict) -> set[str]:
-    from factory.harness.report import gate_rows
-
-    return {gate for gate, ok, _ in gate_rows(result) if not ok}
+def failed_ids(report) -> set[str]:
+    return {gate.id for gate in report.failed_gates()}
 
 
 def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_model_dir, tmp_path):
     result = run_harness(server.url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None), model_dir=tiny_model_dir,
                          progress=lambda _: None)
-    assert result["passed"], failed_ids(result)
-    assert result["accuracy"]["exact_match"]["score"] == 1.0
-    assert result["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
+    assert result.passed, failed_ids(result)
+    assert result.exact_match == 1.0 and set(result.output_tokens_per_s) == {"1", "4"}
+    details = json.loads((tmp_path / "summary.json").read_text())
+    assert details["passed"] and details["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
     for name in ("summary.md", "summary.json", "index.html", "requests.jsonl", "profile_export_aiperf.json",
                  "throughput_vs_concurrency.png", "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
         assert (tmp_path / name).is_file(), name
@@ -127,7 +126,7 @@ def test_wrong_servers_fail_the_right_checks(proxy, tiny_model_dir, tmp_path, mo
     url = proxy(mode)
     result = run_harness(url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None)[:16], model_dir=tiny_model_dir,
                          progress=lambda _: None)
-    assert not result["passed"]
+    assert not result.passed
     assert expected <= failed_ids(result), failed_ids(result)
     assert "models.list" not in failed_ids(result) and "health.live" not in failed_ids(result)
 

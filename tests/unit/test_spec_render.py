@@ -8,12 +8,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from factory.chart import model_values
+from factory.chart.render import model_values
 from factory.cli import app
-from factory.pipeline import PipelineError, load_pipeline
-from factory.render import RuntimePlan, model_manifest
+from factory.image.context import model_manifest, runtime_dockerfile, runtime_flavor
+from factory.pipeline.files import PipelineError, load_pipeline
+from factory.pipeline.runner import Runner
 from factory.spec import SpecError, load_spec
-from factory.stages import render
 
 SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama.yaml"
 
@@ -82,30 +82,35 @@ def test_validate_command_exit_codes(tiny_model_dir, tmp_path):
     assert result.exit_code == 2 and "runtime.flavor" in result.output
 
 
-def test_render_writes_readable_build_contexts(tiny_model_dir, tmp_path):
-    paths = render(load_spec(write_spec(tmp_path, tiny_model_dir)), tmp_path / "out")
-    runtime = (paths["runtime"] / "Dockerfile").read_text()
+def test_render_writes_the_contexts_build_builds(tiny_model_dir, tmp_path):
+    contexts, chart = Runner(write_spec(tmp_path, tiny_model_dir)).render(tmp_path / "out")
+    runtime = (contexts.runtime_dir / "Dockerfile").read_text()
     assert "FROM inferkiln/base:bookworm-py311 AS build" in runtime
     assert "USER 1000:1000" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
-    assert "--no-index" in runtime, "containers install from the wheelhouse, with no network"
-    assert any(line.startswith("torch==") for line in (paths["runtime"] / "requirements.txt").read_text().splitlines())
-    model = (paths["model"] / "Dockerfile").read_text()
+    assert "--no-index" in runtime and "--require-hashes" in runtime, "the lock, from the wheelhouse, no network"
+    lock = (contexts.runtime_dir / "requirements.lock").read_text()
+    assert "torch==2.13.0+cpu" in lock and "--hash=sha256:" in lock
+    assert (contexts.runtime_dir / "service" / "__main__.py").is_file()
+    assert not (contexts.runtime_dir / "factory").exists(), "the runtime image holds the runtime, not the factory"
+    model = (contexts.model_dir / "Dockerfile").read_text()
+    assert f"FROM {contexts.plan.runtime_reference}" in model, "the model builds on the runtime build would make"
     assert "COPY model/ /opt/nim/model/" in model and '"io.inferkiln.spec-digest"' in model
-    assert (paths["model"] / "model" / "model.safetensors").is_file()
-    manifest = yaml.safe_load((paths["model"] / "model_manifest.yaml").read_text())
+    assert (contexts.model_dir / "model" / "model.safetensors").is_file()
+    manifest = yaml.safe_load((contexts.model_dir / "model_manifest.yaml").read_text())
     assert manifest["model"]["source"] == "local:///opt/nim/model"
     assert [p["name"] for p in manifest["profiles"]] == ["torch-fp32-tp1-cpu-latency", "torch-bf16-tp1-any-latency"]
-    assert (paths["chart"] / "Chart.yaml").is_file()
+    assert (chart / "Chart.yaml").is_file()
 
 
-def test_cuda_flavor_renders_with_a_cuda_base_and_the_vllm_extra(tiny_model_dir, tmp_path):
+def test_cuda_flavor_renders_with_a_cuda_base_and_its_lock(tiny_model_dir, tmp_path):
     loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda"}))
-    dockerfile = RuntimePlan.for_spec(loaded).dockerfile()
-    assert "FROM nvcr.io/nvidia/cuda:" in dockerfile and '"inferkiln[vllm]"' in dockerfile
-    assert "apt-get install" in dockerfile
+    flavor = runtime_flavor(loaded)
+    dockerfile = runtime_dockerfile(flavor)
+    assert "FROM nvcr.io/nvidia/cuda:" in dockerfile and "apt-get install" in dockerfile
+    assert "vllm==" in flavor.lock_path.read_text()
     custom = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda",
                                                                  "runtime.base_image": "registry.example/cuda:1"}))
-    assert "FROM registry.example/cuda:1 AS build" in RuntimePlan.for_spec(custom).dockerfile()
+    assert "FROM registry.example/cuda:1 AS build" in runtime_dockerfile(runtime_flavor(custom))
 
 
 def test_unbaked_model_keeps_its_source(tiny_model_dir, tmp_path):

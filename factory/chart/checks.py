@@ -6,6 +6,7 @@ resources, a pinned image).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +144,31 @@ def _restricted(pod: dict[str, Any]) -> list[str]:
     return errors
 
 
-def check_chart(chart_dir: Path, matrix: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ValueSetResult:
+    objects: list[str]  # kind/name of every object the value set renders
+    errors: list[str]
+
+
+@dataclass(frozen=True)
+class ChartChecks:
+    kubernetes_versions: list[str]
+    value_sets: dict[str, ValueSetResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(not r.errors for r in self.value_sets.values())
+
+    def errors(self) -> list[str]:
+        return [f"[{name}] {e}" for name, r in self.value_sets.items() for e in r.errors]
+
+
+def check_chart(chart_dir: Path, matrix: dict[str, dict[str, Any]] | None = None) -> ChartChecks:
     """Every value set rendered, schema-validated and policy-checked; errors per value set."""
     versions = kubernetes_versions()
     results = {}
     for name, values in (matrix or MATRIX).items():
         objects = render_objects(chart_dir, values)
-        results[name] = {"objects": sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects),
-                         "errors": schema_errors(objects, versions) + policy_errors(objects)}
-    return {"kubernetes_versions": versions, "value_sets": results,
-            "passed": all(not r["errors"] for r in results.values())}
+        results[name] = ValueSetResult(sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects),
+                                       schema_errors(objects, versions) + policy_errors(objects))
+    return ChartChecks(versions, results)

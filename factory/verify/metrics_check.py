@@ -7,7 +7,7 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from factory.harness.load import LoadSettings, run_load
+from factory.verify.load import LoadSettings, run_load
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.chart import render_chart
-from factory.spec import LoadedSpec
+from factory.chart.package import ChartPackage
+from factory.errors import CheckFailed
 from factory.stack import helm_binary
 
 
-class DeployError(RuntimeError):
+class DeployError(CheckFailed):
     """The cluster is unreachable, helm refused the release, or the rollout did not finish."""
 
 
@@ -49,19 +49,17 @@ def wait_for_rollout(api, name: str, namespace: str, timeout: float) -> None:
     raise DeployError(f"deployment {namespace}/{name} did not roll out within {timeout:.0f}s")
 
 
-def deploy(loaded: LoadedSpec, image_reference: str, kubeconfig: Path, namespace: str, work_dir: Path,
+def deploy(chart: ChartPackage, name: str, kubeconfig: Path, namespace: str,
            values: dict[str, Any] | None = None, timeout: float = 1800) -> dict[str, Any]:
+    """Install or upgrade the release from the chart package the chart stage validated."""
     from pyhelm3 import Client
 
     api = api_client(kubeconfig)
-    repository, tag = image_reference.rsplit(":", 1)
-    chart_dir = render_chart(loaded, repository, tag, work_dir)
-    name = loaded.spec.metadata.name
 
     async def install():
         helm = Client(executable=helm_binary(), kubeconfig=kubeconfig)
-        chart = await helm.get_chart(chart_dir)
-        return await helm.install_or_upgrade_release(name, chart, values or {}, namespace=namespace,
+        chart_ref = await helm.get_chart(chart.path)
+        return await helm.install_or_upgrade_release(name, chart_ref, values or {}, namespace=namespace,
                                                      create_namespace=True, atomic=False, wait=False)
 
     try:

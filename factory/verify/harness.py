@@ -8,11 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.harness.accuracy import exact_match, parity
-from factory.harness.conformance import run_conformance
-from factory.harness.load import LoadSettings, run_load, summarize
-from factory.harness.metrics_check import check_metrics
-from factory.harness.report import gate_rows, write_report
+from factory.verify.accuracy import exact_match, parity
+from factory.verify.conformance import run_conformance
+from factory.verify.load import LoadSettings, run_load, summarize
+from factory.verify.metrics_check import check_metrics
+from factory.verify.report import gate_rows, write_report
+from factory.verify.result import Gate, TestReport
 
 
 @dataclass
@@ -39,7 +40,8 @@ def load_pairs(dataset: Path | None) -> list[tuple[str, str]]:
 
 
 def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pairs: list[tuple[str, str]],
-                model_dir: Path | None, progress: Callable[[str], None]) -> dict:
+                model_dir: Path | None, progress: Callable[[str], None]) -> TestReport:
+    """Every check against `url`; the report directory gets the full results, the caller a TestReport."""
     progress("conformance checks...")
     result: dict = {"url": url, "model": model, "conformance": run_conformance(url, model, config.groups)}
     progress(f"accuracy on {len(pairs)} prompts...")
@@ -59,13 +61,14 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
         performance[level], records[level] = summarize(level_records, wall, config.slo), level_records
     result["performance"] = performance
     result["slo"] = slo_gates(performance, config.slo)
-    rows = gate_rows(result)
-    result["passed"] = all(ok for _, ok, _ in rows)
-    failed = [gate for gate, ok, _ in rows if not ok]
-    result["summary"] = (f"{len(rows) - len(failed)}/{len(rows)} gates passed"
-                         + (f"; failed: {', '.join(failed[:8])}" if failed else ""))
+    report = TestReport.from_gates(
+        [Gate(id=gate, passed=ok, detail=detail) for gate, ok, detail in gate_rows(result)], output, url=url,
+        exact_match=accuracy["exact_match"]["score"],
+        output_tokens_per_s={str(level): round(m["output_token_throughput"]["avg"], 1)
+                             for level, m in performance.items()})
+    result.update(passed=report.passed, summary=report.summary)
     write_report(result, records, output)
-    return result
+    return report
 
 
 def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> list[dict]:

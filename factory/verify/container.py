@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from factory.render import PORT, UID
+from factory.errors import CheckFailed
+from service.image_contract import CACHE_PATH, PORT, UID
 from service.launcher import wait_until_ready
 
 # What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp.
 POD_LIKE = {"user": f"{UID}:{UID}", "read_only": True,
-            "tmpfs": {"/tmp": "size=256m", "/opt/nim/.cache": f"size=1g,uid={UID},gid={UID}", "/dev/shm": "size=256m"},
+            "tmpfs": {"/tmp": "size=256m", CACHE_PATH: f"size=1g,uid={UID},gid={UID}", "/dev/shm": "size=256m"},
             "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"]}
 
 
-class ContainerError(RuntimeError):
+class ContainerError(CheckFailed):
     """The container exited or never became ready; the message carries its last log lines."""
 
 

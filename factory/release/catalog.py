@@ -12,9 +12,8 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from factory.paths import state_dir
 
@@ -24,12 +23,24 @@ class Artifact(BaseModel):
     digest: str
 
 
+class TestSummary(BaseModel):
+    """What the catalog keeps of a test run: the verdict and the headline numbers."""
+
+    __test__ = False  # not a pytest test class
+
+    passed: bool
+    summary: str
+    exact_match: float | None = None
+    output_tokens_per_s: dict[str, float] = Field(default_factory=dict)
+
+
 class Release(BaseModel):
     name: str
     version: str
     image: Artifact
     chart: Artifact
-    tests: dict[str, Any]
+    sbom: Artifact | None = Field(None, description="the runtime image's CycloneDX SBOM, referring to the image")
+    tests: TestSummary
     forced: bool = False
     time: str
 

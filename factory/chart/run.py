@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from factory.chart import ChartError
-from factory.chart_checks import pod_specs, render_objects
+from factory.chart.checks import pod_specs, render_objects
+from factory.chart.helm import ChartError
 
 POLL_SECONDS = 0.5
 

@@ -1,0 +1,1 @@
+"""Charts: the per-model Helm chart rendered from charts/nim-llm, its checks, packaging, a run in Docker, deploys."""

@@ -1,1 +1,0 @@
-"""The test harness: conformance, accuracy, performance and metrics checks of any OpenAI-compatible URL."""

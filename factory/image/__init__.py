@@ -1,0 +1,1 @@
+"""Images: flavors and their locks, the wheelhouse, build contexts and references, Docker builds."""

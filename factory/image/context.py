@@ -1,0 +1,212 @@
+"""Build contexts a person can read and `docker build` by hand, and the image references, which are
+digests of exactly what goes into those contexts (so no Docker is needed to know them).
+
+    runtime/  Dockerfile, requirements.lock, bin/ (NIM wrappers), service/ (the runtime), wheels/
+    model/    Dockerfile, model_manifest.yaml, model/ (the weights, when baked)
+
+The runtime's identity is its lock, the runtime's code and the templates: the factory's own code
+and whatever is installed on the build host are not part of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jinja2
+
+from factory.image.flavors import Flavor, flavor as flavor_named
+from factory.image.lock import lock_digest
+from factory.paths import repo_root
+from factory.spec import LoadedSpec
+from service import image_contract as contract
+from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
+
+IGNORED = {"__pycache__", ".pytest_cache"}
+
+
+def templates() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(repo_root() / "dockerfiles"),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def tree_files(root: Path, skip: Callable[[Path], bool] = lambda p: False) -> Iterator[Path]:
+    """The files under `root` that go into an image, in a stable order."""
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root)
+        if not (IGNORED & set(relative.parts) or relative.suffix == ".pyc" or skip(relative)):
+            yield path
+
+
+def tree_digest(root: Path, skip: Callable[[Path], bool] = lambda p: False) -> str:
+    digest = hashlib.sha256()
+    for path in tree_files(root, skip):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+# -- the runtime image -------------------------------------------------------------------------
+def runtime_flavor(loaded: LoadedSpec) -> Flavor:
+    return flavor_named(loaded.spec.runtime.flavor, loaded.spec.runtime.base_image)
+
+
+def runtime_dockerfile(flavor: Flavor) -> str:
+    return templates().get_template("runtime.Dockerfile.j2").render(
+        base_image=flavor.base_image, install_python=flavor.install_python, uid=contract.UID, port=contract.PORT,
+        home=contract.HOME, venv=contract.VENV, app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
+        manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
+        env=contract.image_env())
+
+
+def runtime_digest(flavor: Flavor, root: Path | None = None) -> str:
+    """The rendered Dockerfile, the lock, the wrappers and the `service` package; nothing else."""
+    root = root or repo_root()
+    parts = [runtime_dockerfile(flavor), lock_digest(flavor, root), tree_digest(root / "dockerfiles" / "bin"),
+             tree_digest(root / "service")]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def runtime_reference(flavor: Flavor) -> str:
+    return f"inferkiln/runtime-{flavor.name}:{runtime_digest(flavor)[:12]}"
+
+
+def write_runtime_context(flavor: Flavor, out: Path, wheels: Path | None) -> Path:
+    """The runtime context; `wheels` (the flavor's wheelhouse) is linked in when given."""
+    root = repo_root()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "Dockerfile").write_text(runtime_dockerfile(flavor))
+    shutil.copyfile(flavor.lock_path, out / "requirements.lock")
+    for name, source in (("bin", root / "dockerfiles" / "bin"), ("service", root / "service")):
+        for path in tree_files(source):
+            target = out / name / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    (out / "wheels").mkdir()
+    for wheel in sorted(wheels.glob("*.whl")) if wheels else []:
+        _link_or_copy(str(wheel), str(out / "wheels" / wheel.name))
+    return out
+
+
+# -- the model image ---------------------------------------------------------------------------
+def model_manifest(loaded: LoadedSpec) -> Manifest:
+    spec = loaded.spec
+    source = f"local://{contract.MODEL_DIR}" if spec.model.bake else spec.model.source
+    profiles = [Profile(tags=ProfileTags(**p.model_dump(exclude={"engine_args"})), engine_args=p.engine_args)
+                for p in spec.profiles]
+    return Manifest(model=ModelInfo(name=spec.served_name, source=source, license=spec.model.license),
+                    profiles=profiles)
+
+
+def weights_digest(loaded: LoadedSpec) -> str:
+    source = loaded.local_source()
+    if source is None or not loaded.spec.model.bake:
+        return hashlib.sha256(loaded.spec.model.source.encode()).hexdigest()
+    return tree_digest(source, skip=_not_weights)
+
+
+def _not_weights(relative: Path) -> bool:
+    return relative.name.startswith(".") or relative.name == "inferkiln-tiny-model.json"
+
+
+def model_digest(loaded: LoadedSpec, runtime_ref: str) -> str:
+    template = (repo_root() / "dockerfiles" / "model.Dockerfile.j2").read_text()
+    return hashlib.sha256(json.dumps([runtime_ref, loaded.spec.digest(), template,
+                                      weights_digest(loaded)]).encode()).hexdigest()
+
+
+def model_reference(loaded: LoadedSpec, digest: str) -> str:
+    return f"inferkiln/{loaded.spec.metadata.name}:{loaded.spec.metadata.version}-{digest[:12]}"
+
+
+def model_labels(loaded: LoadedSpec, digest: str) -> dict[str, str]:
+    spec = loaded.spec
+    return {
+        "org.opencontainers.image.title": spec.metadata.name,
+        "org.opencontainers.image.version": spec.metadata.version,
+        "org.opencontainers.image.revision": digest,
+        "org.opencontainers.image.created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "org.opencontainers.image.source": spec.model.source,
+        "org.opencontainers.image.licenses": spec.model.license,
+        "io.inferkiln.spec-digest": spec.digest(),
+        "io.inferkiln.profile-ids": ",".join(p.id for p in model_manifest(loaded).profiles),
+        "io.inferkiln.model-source": spec.model.source,
+    }
+
+
+def model_dockerfile(loaded: LoadedSpec, runtime_ref: str, labels: dict[str, str]) -> str:
+    spec = loaded.spec
+    return templates().get_template("model.Dockerfile.j2").render(
+        runtime_image=runtime_ref, manifest_path=contract.MANIFEST_PATH, bake=spec.model.bake,
+        model_dir=contract.MODEL_DIR, env={"NIM_SERVED_MODEL_NAME": spec.served_name}, labels=labels)
+
+
+def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest: str) -> Path:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "Dockerfile").write_text(model_dockerfile(loaded, runtime_ref, model_labels(loaded, digest)))
+    (out / "model_manifest.yaml").write_text(model_manifest(loaded).to_yaml())
+    if loaded.spec.model.bake:
+        source = loaded.local_source()
+        if source is None:
+            from factory.errors import InputError
+
+            raise InputError(f"{loaded.path}: model.bake needs the weights here; fetch hf:// sources first "
+                             "(python -m service download-to-cache) and point model.source at them")
+        shutil.copytree(source, out / "model", copy_function=_link_or_copy,
+                        ignore=lambda _, names: [n for n in names if _not_weights(Path(n))])
+    return out
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard links keep big files from being copied into every build context; a file the image's
+    non-root user could not read is copied instead and made readable (a link would share its mode)."""
+    if os.stat(src).st_mode & stat.S_IROTH:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+    os.chmod(dst, 0o644)
+
+
+# -- both, as the render stage's result ---------------------------------------------------------
+@dataclass(frozen=True)
+class ImagePlan:
+    """What the build stage will build: both references, known before any build."""
+
+    flavor: Flavor
+    runtime_reference: str
+    model_reference: str
+    model_digest: str
+
+    @classmethod
+    def for_spec(cls, loaded: LoadedSpec) -> ImagePlan:
+        flavor = runtime_flavor(loaded)
+        runtime_ref = runtime_reference(flavor)
+        digest = model_digest(loaded, runtime_ref)
+        return cls(flavor, runtime_ref, model_reference(loaded, digest), digest)
+
+
+@dataclass(frozen=True)
+class RenderedContexts:
+    plan: ImagePlan
+    runtime_dir: Path
+    model_dir: Path
+    wheels_included: bool
+
+
+def write_contexts(loaded: LoadedSpec, plan: ImagePlan, out: Path, wheels: Path | None) -> RenderedContexts:
+    runtime_dir = write_runtime_context(plan.flavor, out / "runtime", wheels)
+    model_dir = write_model_context(loaded, out / "model", plan.runtime_reference, plan.model_digest)
+    return RenderedContexts(plan, runtime_dir, model_dir, wheels is not None)

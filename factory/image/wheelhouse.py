@@ -1,0 +1,55 @@
+"""The wheelhouse: every wheel a flavor's lock names, for its target platform, checked against the
+lock's hashes and cached by the lock's digest. Images install from it with no index."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from factory.errors import CheckFailed
+from factory.image.flavors import Flavor
+from factory.image.lock import lock_digest
+from factory.paths import cache_dir
+
+Progress = Callable[[str], None]
+
+
+def wheelhouse_dir(flavor: Flavor) -> Path:
+    return cache_dir() / "wheelhouse" / f"{flavor.name}-{lock_digest(flavor)[:16]}"
+
+
+def cached_wheelhouse(flavor: Flavor) -> Path | None:
+    target = wheelhouse_dir(flavor)
+    return target if (target / ".complete").is_file() else None
+
+
+def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
+    """Download the lock's wheels once (pip verifies every hash); later calls return the cache."""
+    if cached := cached_wheelhouse(flavor):
+        return cached
+    target = wheelhouse_dir(flavor)
+    progress(f"downloading the {flavor.name} wheelhouse from its lock...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".wheels-"))
+    try:
+        platforms = [arg for tag in flavor.pip_platforms for arg in ("--platform", tag)]
+        abi = "cp" + flavor.python_version.replace(".", "")
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+             "--require-hashes", "--only-binary=:all:", *platforms, "--python-version", flavor.python_version,
+             "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
+             "-r", str(flavor.lock_path), "-d", str(staging)], capture_output=True, text=True)
+        if result.returncode:
+            raise CheckFailed(f"filling the {flavor.name} wheelhouse from its lock failed: "
+                              f"{result.stderr.strip()[-2000:]}")
+        (staging / ".complete").write_text(lock_digest(flavor))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

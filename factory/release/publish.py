@@ -1,0 +1,89 @@
+"""Publishing: push the model image, its SBOM and the validated chart package, then record the release.
+
+All or nothing: the catalog is written only after every push succeeded, so a push that fails
+leaves it as it was, and the error says which push failed and why.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from factory.chart.helm import push as push_chart
+from factory.chart.package import ChartPackage, file_digest
+from factory.errors import CheckFailed
+from factory.image.build import BuiltImages
+from factory.image.flavors import Flavor
+from factory.release import catalog
+from factory.release.sbom import attach_sbom, make_sbom
+from factory.spec import LoadedSpec
+from factory.verify.result import TestReport
+
+Progress = Callable[[str], None]
+
+
+class PublishError(CheckFailed):
+    """A push failed or the gates refused; nothing was recorded."""
+
+
+def remote_reference(local_reference: str, registry: str) -> str:
+    return f"{registry}/{local_reference}"
+
+
+def push_image(client, local_reference: str, registry: str, progress: Progress) -> catalog.Artifact:
+    repository, tag = remote_reference(local_reference, registry).rsplit(":", 1)
+    client.images.get(local_reference).tag(repository, tag)
+    digest = None
+    try:
+        for chunk in client.api.push(repository, tag=tag, stream=True, decode=True):
+            if "error" in chunk:
+                raise PublishError(f"pushing the image to {registry} failed: {chunk['error'].strip()}")
+            if "aux" in chunk and "Digest" in chunk["aux"]:
+                digest = chunk["aux"]["Digest"]
+            elif "status" in chunk and chunk.get("id") is None:
+                progress(f"  {chunk['status']}")
+    finally:
+        client.api.remove_image(f"{repository}:{tag}", noprune=True)
+    if not digest:
+        raise PublishError(f"pushing the image to {registry} reported no digest")
+    return catalog.Artifact(reference=f"{repository}:{tag}", digest=digest)
+
+
+def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, chart: ChartPackage, tests: TestReport,
+            registry: str, progress: Progress, force: bool = False) -> catalog.Release:
+    """Push image, SBOM and chart; record the release. Refuses a build whose gates failed unless forced."""
+    if not tests.passed and not force:
+        raise PublishError(f"refusing to publish {images.model.reference}: its test gates failed "
+                           f"({tests.summary}); --force publishes anyway and is recorded")
+    wanted = remote_reference(images.model.reference, registry)
+    if chart.image_reference != wanted:
+        raise PublishError(f"the chart package {chart.path.name} names the image {chart.image_reference}, "
+                           f"not the one being published ({wanted})")
+    if not chart.path.is_file() or file_digest(chart.path) != chart.digest:
+        raise PublishError(f"the chart package {chart.path} changed since the chart stage validated it")
+    spec = loaded.spec
+    progress(f"pushing {images.model.reference} to {registry}...")
+    image = push_image(client, images.model.reference, registry, progress)
+    progress("pushing the runtime's SBOM...")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sbom = attach_sbom(make_sbom(flavor, Path(tmp) / f"sbom-{flavor.name}.cdx.json"), image)
+        except CheckFailed:
+            raise
+        except Exception as exc:  # requests and oras raise several kinds for a registry that fails
+            raise PublishError(f"pushing the SBOM to {registry} failed: {exc}") from None
+    progress(f"pushing chart {chart.path.name} to oci://{registry}/charts...")
+    try:
+        reference, digest = push_chart(chart.path, registry)
+    except CheckFailed as exc:
+        raise PublishError(f"pushing the chart to {registry} failed: {exc}") from None
+    release = catalog.Release(
+        name=spec.metadata.name, version=spec.metadata.version, image=image, sbom=sbom,
+        chart=catalog.Artifact(reference=reference, digest=digest),
+        tests=catalog.TestSummary(passed=tests.passed, summary=tests.summary, exact_match=tests.exact_match,
+                                  output_tokens_per_s=tests.output_tokens_per_s),
+        forced=force and not tests.passed, time=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    catalog.record(release)
+    return release

@@ -1,0 +1,1 @@
+"""Verification: the test harness (conformance, accuracy, load, metrics) and the container it runs against."""

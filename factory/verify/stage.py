@@ -1,0 +1,64 @@
+"""The test stage: start the model image as the chart's pod would and run the harness against it.
+
+Each result is kept under the state directory by image id, so `publish` gates on the tests of
+exactly the image it pushes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from factory.paths import state_dir
+from factory.spec import LoadedSpec
+from factory.verify.container import ContainerError, start_model
+from factory.verify.harness import HarnessConfig, load_pairs, run_harness
+from factory.verify.result import Gate, TestReport
+
+Progress = Callable[[str], None]
+
+
+def harness_config(loaded: LoadedSpec) -> HarnessConfig:
+    tests = loaded.spec.tests
+    return HarnessConfig(min_exact_match=tests.accuracy.min_exact_match, concurrency=tests.perf.concurrency,
+                         requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump())
+
+
+def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> TestReport:
+    """Start the image like the pod and run the whole harness against it."""
+    dataset = loaded.spec.tests.accuracy.dataset
+    pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    progress(f"starting {image_reference}...")
+    start = time.perf_counter()
+    try:
+        running = start_model(client, image_reference)
+    except ContainerError as exc:
+        report = TestReport.from_gates([Gate(id="container.ready", passed=False, detail=str(exc)[-2000:])],
+                                       report_dir, image=image_reference)
+        (report_dir / "summary.json").write_text(report.model_dump_json(indent=2))
+        return report
+    try:
+        ready = time.perf_counter() - start
+        report = run_harness(running.url, loaded.spec.served_name, harness_config(loaded), report_dir, pairs=pairs,
+                             model_dir=loaded.local_source(), progress=progress)
+    finally:
+        (report_dir / "container.log").write_text(running.logs(500))
+        running.stop()
+    return report.model_copy(update={"image": image_reference, "start_to_ready_s": round(ready, 2)})
+
+
+def _recorded_path(image_id: str) -> Path:
+    return state_dir() / "tests" / f"{image_id.replace(':', '-')}.json"
+
+
+def record_tests(image_id: str, report: TestReport) -> None:
+    path = _recorded_path(image_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.model_dump_json())
+
+
+def recorded_tests(image_id: str) -> TestReport | None:
+    path = _recorded_path(image_id)
+    return TestReport.model_validate_json(path.read_text()) if path.is_file() else None

@@ -1,0 +1,30 @@
+"""The image contract: where things are inside every inferkiln image, and who runs them.
+
+The runtime's settings take their defaults from here; the factory renders Dockerfiles, chart
+values and pod-like containers from the same names, so a path or port is written once.
+"""
+
+from __future__ import annotations
+
+UID = 1000  # the non-root user (and group) every image runs as
+PORT = 8000
+HOME = "/opt/nim"
+VENV = f"{HOME}/venv"
+APP_DIR = f"{HOME}/app"  # holds the `service` package; on PYTHONPATH
+MANIFEST_PATH = f"{HOME}/etc/default/model_manifest.yaml"
+CACHE_PATH = f"{HOME}/.cache"
+MODEL_DIR = f"{HOME}/model"
+
+
+def image_env() -> dict[str, str]:
+    """The runtime image's environment."""
+    return {
+        "PATH": f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PYTHONPATH": APP_DIR,
+        "HOME": HOME,
+        "NIM_CACHE_PATH": CACHE_PATH,
+        "NIM_MANIFEST_PATH": MANIFEST_PATH,
+        "NIM_SERVER_PORT": str(PORT),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
