@@ -68,6 +68,9 @@ def make_spec(directory: Path, model_dir: Path, name: str = "tiny-test", version
     data["metadata"] = {"name": name, "version": version}
     data["model"]["source"] = f"local://{model_dir}"
     data["chart"] = {"values": chart_values or {}}
+    # These tests prove the pipeline's mechanics; a latency SLO on a shared 2-core machine would make
+    # them timing tests (the SLO gate's logic is unit-tested in tests/unit/test_slo_gates.py).
+    data["tests"]["perf"] = {"concurrency": [1, 8], "requests_per_level": 32}
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}-{version}.yaml"
     path.write_text(yaml.safe_dump(data))
