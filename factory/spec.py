@@ -68,7 +68,7 @@ class ModelSource(Strict):
 
 
 class Runtime(Strict):
-    flavor: Literal["cpu", "cuda"] = "cpu"
+    flavor: Literal["cpu", "vllm-cpu", "cuda"] = "cpu"
     base_image: str | None = None
 
 
@@ -168,6 +168,14 @@ def _describe(error: dict) -> str:
         error.get("input"), dict | list) else message
 
 
+def _engines_the_flavor_lacks(spec: ModelSpec) -> list[str]:
+    from factory.image.flavors import FLAVORS
+
+    engines = FLAVORS[spec.runtime.flavor].engines
+    return [f"profiles.{i}.engine: runtime.flavor {spec.runtime.flavor!r} runs {' or '.join(engines)}; "
+            f"got {profile.engine!r}" for i, profile in enumerate(spec.profiles) if profile.engine not in engines]
+
+
 def load_spec(path: str | Path) -> LoadedSpec:
     path = Path(path)
     try:
@@ -183,6 +191,8 @@ def load_spec(path: str | Path) -> LoadedSpec:
     except ValidationError as exc:
         raise SpecError([f"{path}: {'.'.join(map(str, e['loc'])) or '(top level)'}: {_describe(e)}"
                          for e in exc.errors()]) from None
+    if mismatched := _engines_the_flavor_lacks(spec):
+        raise SpecError([f"{path}: {line}" for line in mismatched])
     loaded = LoadedSpec(spec=spec, path=path.resolve())
     if (local := loaded.local_source()) is not None and not (local / "config.json").is_file():
         raise SpecError([f"{path}: model.source: no model directory (config.json) at {local}"])

@@ -45,7 +45,9 @@ def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
         if volume is None:
             raise ChartError(f"volumeMount {mount['name']} names no volume of the pod")
         if "emptyDir" in volume:
-            tmpfs[mount["mountPath"]] = "mode=1777"  # emptyDir directories are world-writable
+            # emptyDir directories are world-writable and, unlike Docker's tmpfs default, allow exec
+            # (torch.compile loads the kernels it builds from /tmp)
+            tmpfs[mount["mountPath"]] = "mode=1777,exec"
         elif "persistentVolumeClaim" in volume:
             mounts[f"inferkiln-{release}-{volume['persistentVolumeClaim']['claimName']}"] = {"bind": mount["mountPath"], "mode": "rw"}
         elif "hostPath" in volume:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from factory.errors import CheckFailed
 from factory.image.context import ImagePlan, write_model_context, write_runtime_context
-from factory.image.flavors import DEBIAN_BASE_IMAGE, Flavor
+from factory.image.flavors import DEBIAN_BASE_IMAGE, DEBIAN_BASES, Flavor
 from factory.image.wheelhouse import ensure_wheelhouse
 from factory.paths import cache_dir
 from factory.spec import LoadedSpec
@@ -48,10 +48,11 @@ class BuiltImages:
 
 # -- the base image --------------------------------------------------------------------------
 def ensure_base_image(client, progress: Progress, reference: str = DEBIAN_BASE_IMAGE) -> str:
-    """Debian bookworm with Python, bootstrapped from Debian packages (no registry to pull from)."""
+    """One of DEBIAN_BASES, bootstrapped from Debian's archive (no registry to pull from); any other
+    reference (the CUDA base) is pulled."""
     if _existing(client, reference):
         return reference
-    if reference != DEBIAN_BASE_IMAGE:
+    if reference not in DEBIAN_BASES:
         progress(f"pulling {reference}...")
         try:
             client.images.pull(reference)
@@ -60,11 +61,11 @@ def ensure_base_image(client, progress: Progress, reference: str = DEBIAN_BASE_I
         return reference
     if not shutil.which("debootstrap") or os.geteuid() != 0:
         raise BuildError("making the base image needs debootstrap run as root (Debian: apt-get install debootstrap)")
-    progress("bootstrapping the base image (Debian bookworm + python3, about a minute)...")
+    progress(f"bootstrapping {reference} (Debian bookworm + {', '.join(DEBIAN_BASES[reference])}, a minute or two)...")
     cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         rootfs, archive = Path(tmp) / "rootfs", Path(tmp) / "rootfs.tar"
-        result = subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv",
+        result = subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(DEBIAN_BASES[reference]),
                                  "bookworm", str(rootfs)], capture_output=True, text=True)
         if result.returncode:
             raise BuildError(f"debootstrap failed: {result.stdout[-1500:]}{result.stderr[-1500:]}")

@@ -77,6 +77,7 @@ def compile_lock(flavor: Flavor, out: Path | None = None) -> Path:
     inputs = lock_inputs(flavor)
     out = out or flavor.lock_path
     command = [sys.executable, "-m", "uv", "pip", "compile", "-", "--generate-hashes", "--no-header",
+               "--only-binary", ":all:",  # the image installs wheels only
                "--python-version", inputs.python_version, "--python-platform", inputs.platform,
                "--quiet", *[arg for link in (find_links() if flavor.local_wheels else []) for arg in ("--find-links", link)],
                *[arg for name in inputs.no_emit for arg in ("--no-emit-package", name)]]

@@ -37,7 +37,7 @@ class Recipe:
 
     seed: int = 1234
     vocab_size: int = 640
-    hidden_size: int = 96
+    hidden_size: int = 128  # head_dim 32: vLLM's CPU attention has no kernel for 24
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2

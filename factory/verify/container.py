@@ -8,9 +8,11 @@ from factory.errors import CheckFailed
 from service.image_contract import CACHE_PATH, PORT, UID
 from service.launcher import wait_until_ready
 
-# What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp.
+# What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp
+# (emptyDirs, which allow exec, unlike Docker's tmpfs default: torch.compile loads kernels from /tmp).
 POD_LIKE = {"user": f"{UID}:{UID}", "read_only": True,
-            "tmpfs": {"/tmp": "size=256m", CACHE_PATH: f"size=1g,uid={UID},gid={UID}", "/dev/shm": "size=256m"},
+            "tmpfs": {"/tmp": "size=512m,exec", CACHE_PATH: f"size=1g,exec,uid={UID},gid={UID}",
+                      "/dev/shm": "size=256m"},
             "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"]}
 
 

@@ -1,12 +1,12 @@
 
-FROM inferkiln/base:bookworm-py311 AS build
+FROM inferkiln/base:bookworm-py311-05b09c67 AS build
 COPY requirements.lock /tmp/requirements.lock
 COPY wheels/ /tmp/wheels/
 RUN python3 -m venv /opt/nim/venv \
  && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir \
       --find-links /tmp/wheels -r /tmp/requirements.lock
 
-FROM inferkiln/base:bookworm-py311
+FROM inferkiln/base:bookworm-py311-05b09c67
 RUN groupadd --gid 1000 nim \
  && useradd --uid 1000 --gid 1000 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
  && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \

@@ -21,6 +21,7 @@ from openai import OpenAI
 
 from factory.chart.helm import helm
 from factory.image.build import BuildError, build_context
+from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import RunSettings, Runner
 from factory.release import catalog
@@ -209,7 +210,7 @@ def test_no_credentials_in_history_labels_or_env(client, tiny_model_dir, tmp_pat
 
 
 def test_a_failing_build_names_the_step_and_exit_code(client, tmp_path):
-    (tmp_path / "Dockerfile").write_text("FROM inferkiln/base:bookworm-py311\nRUN echo preparing\nRUN exit 3\n")
+    (tmp_path / "Dockerfile").write_text(f"FROM {DEBIAN_BASE_IMAGE}\nRUN echo preparing\nRUN exit 3\n")
     with pytest.raises(BuildError) as err:
         build_context(client, tmp_path, "inferkiln/should-fail:1", progress)
     assert "Step 3/3 : RUN exit 3" in str(err.value) and "exit code 3" in str(err.value)

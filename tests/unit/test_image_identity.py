@@ -110,7 +110,7 @@ def meaningful(text: str) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-@pytest.mark.parametrize("name", ["runtime-cpu", "runtime-cuda", "model"])
+@pytest.mark.parametrize("name", ["runtime-cpu", "runtime-vllm-cpu", "runtime-cuda", "model"])
 def test_rendered_dockerfiles_match_their_golden_files(name, tiny_model_dir, tmp_path):
     """Set UPDATE_GOLDEN=1 to rewrite them after an intended change."""
     if name == "model":

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from factory.chart.render import model_values
 from factory.cli import app
 from factory.image.context import model_manifest, runtime_dockerfile, runtime_flavor
+from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.pipeline.files import PipelineError, load_pipeline
 from factory.pipeline.runner import Runner
 from factory.spec import SpecError, load_spec
@@ -48,7 +49,8 @@ def test_sample_spec_is_valid(tiny_model_dir, tmp_path):
     ({"metadata.name": "Tiny_Llama"}, "metadata.name", "lower-case"),
     ({"metadata.version": "one"}, "metadata.version", "semantic version"),
     ({"model.source": "s3://bucket/x"}, "model.source", "local://<dir> or hf://"),
-    ({"runtime.flavor": "tpu"}, "runtime.flavor", "'cpu' or 'cuda'"),
+    ({"runtime.flavor": "tpu"}, "runtime.flavor", "'cpu', 'vllm-cpu' or 'cuda'"),
+    ({"profiles.0.engine": "vllm"}, "profiles.0.engine", "runtime.flavor 'cpu' runs torch; got 'vllm'"),
     ({"profiles.0.precision": "fp7"}, "profiles.0.precision", "one of"),
     ({"profiles.0.tp": 0}, "profiles.0.tp", "greater than or equal to 1"),
     ({"resources.memory": "lots"}, "resources.memory", "Kubernetes quantity"),
@@ -85,7 +87,7 @@ def test_validate_command_exit_codes(tiny_model_dir, tmp_path):
 def test_render_writes_the_contexts_build_builds(tiny_model_dir, tmp_path):
     contexts, chart = Runner(write_spec(tmp_path, tiny_model_dir)).render(tmp_path / "out")
     runtime = (contexts.runtime_dir / "Dockerfile").read_text()
-    assert "FROM inferkiln/base:bookworm-py311 AS build" in runtime
+    assert f"FROM {DEBIAN_BASE_IMAGE} AS build" in runtime
     assert "USER 1000:1000" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
     assert "--no-index" in runtime and "--require-hashes" in runtime, "the lock, from the wheelhouse, no network"
     lock = (contexts.runtime_dir / "requirements.lock").read_text()

@@ -1,0 +1,28 @@
+
+FROM inferkiln/base:bookworm-py311-2949e0aa AS build
+COPY requirements.lock /tmp/requirements.lock
+COPY wheels/ /tmp/wheels/
+RUN python3 -m venv /opt/nim/venv \
+ && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir \
+      --find-links /tmp/wheels -r /tmp/requirements.lock
+
+FROM inferkiln/base:bookworm-py311-2949e0aa
+RUN groupadd --gid 1000 nim \
+ && useradd --uid 1000 --gid 1000 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
+ && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \
+ && chown 1000:1000 /opt/nim/.cache
+COPY --from=build /opt/nim/venv /opt/nim/venv
+COPY bin/ /usr/local/bin/
+COPY service/ /opt/nim/app/service/
+ENV PATH="/opt/nim/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ENV PYTHONPATH="/opt/nim/app"
+ENV HOME="/opt/nim"
+ENV NIM_CACHE_PATH="/opt/nim/.cache"
+ENV NIM_MANIFEST_PATH="/opt/nim/etc/default/model_manifest.yaml"
+ENV NIM_SERVER_PORT="8000"
+ENV PYTHONUNBUFFERED="1"
+ENV HF_HUB_OFFLINE="0"
+USER 1000:1000
+WORKDIR /opt/nim
+EXPOSE 8000
+ENTRYPOINT ["nim-serve"]
