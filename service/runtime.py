@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from service import __version__
 from service.api.serving import OpenAIServing
-from service.engine.base import Engine
+from service.engine.base import Engine, EngineBase
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
 from service.model_store import resolve_model
@@ -51,18 +52,19 @@ class Runtime:
     profile: Profile
     hardware: Hardware
     model_dir: Path
-    engine: Engine
+    engine: EngineBase
     served_model_name: str
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0  # inference requests not yet fully answered (streams included)
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
-    serving: OpenAIServing = field(init=False)
+    serving: OpenAIServing | None = field(init=False)  # None: an engine process serves, proxied
 
     def __post_init__(self) -> None:
         self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats)
-        self.serving = OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics)
+        self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics)
+                        if isinstance(self.engine, Engine) else None)
 
     @property
     def model_source(self) -> str:
@@ -103,13 +105,32 @@ def build_runtime(settings: Settings) -> Runtime:
     source = settings.model_path or manifest.model.source
     model_dir = resolve_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir,
                               name=manifest.model.name, allow_download=not settings.disable_model_download)
-    engine = make_engine(settings, profile, model_dir)
+    served_name = settings.served_model_name or manifest.model.name
+    engine = make_engine(settings, profile, model_dir, served_name)
     return Runtime(settings=settings, manifest=manifest, profile=profile, hardware=hardware, model_dir=model_dir,
-                   engine=engine, served_model_name=settings.served_model_name or manifest.model.name)
+                   engine=engine, served_model_name=served_name)
 
 
-def make_engine(settings: Settings, profile: Profile, model_dir: Path) -> Engine:
+def model_context_length(model_dir: Path) -> int | None:
+    """The context limit the model's config declares, if it can be read."""
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_name: str) -> EngineBase:
     tags = profile.tags
+    if tags.engine == "vllm":
+        from service.engine.vllm_process import VllmEngine
+        from service.launcher import free_port
+
+        max_model_len = engine_setting(settings, profile, "max_model_len", None) or model_context_length(model_dir)
+        if max_model_len is None:
+            raise ValueError(f"{model_dir}/config.json names no max_position_embeddings: set NIM_MAX_MODEL_LEN")
+        return VllmEngine(model_dir, served_name, profile, settings, max_model_len=max_model_len,
+                          max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
+                          max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE), port=free_port())
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
     from service.engine.torch_engine import TorchEngine

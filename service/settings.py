@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from service.image_contract import CACHE_PATH, MANIFEST_PATH, PORT
 
 SECRET_FIELDS = frozenset({"api_key"})
+SECRET_ENV = frozenset({"NIM_API_KEY"})  # the runtime's own secrets: an engine child process never gets them
 
 
 def _opt(env: str, flag: str, description: str, **kwargs: Any) -> Any:
@@ -51,6 +52,9 @@ class Settings(BaseModel):
         "NIM_DISABLE_MODEL_DOWNLOAD", "--disable-model-download", "1 = never fetch weights; fail if absent.", default=False)
     passthrough_args: str = _opt(
         "NIM_PASSTHROUGH_ARGS", "--passthrough-args", "Extra arguments for an upstream engine process.", default="")
+    enable_kv_cache_reuse: bool = _opt(
+        "NIM_ENABLE_KV_CACHE_REUSE", "--enable-kv-cache-reuse", "1 = reuse the KV cache of shared prompt prefixes "
+        "(prefix caching) where the engine has it.", default=True)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(

@@ -37,7 +37,9 @@ def refuse_while_draining(request: Request) -> None:
         raise ServingError(503, "the server is shutting down", headers={"Retry-After": "1"})
 
 
-inference = APIRouter(dependencies=[Depends(require_api_key), Depends(refuse_while_draining)], responses=ERRORS)
+INFERENCE_DEPENDENCIES = [Depends(require_api_key), Depends(refuse_while_draining)]
+inference = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)  # the in-process engine's routes
+models_router = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)
 management = APIRouter()
 
 
@@ -98,7 +100,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.completion(body, request.state.request_id))
 
 
-@inference.get("/v1/models", response_model=ModelList)
+@models_router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
     rt = runtime(request)
     return ModelList(data=[ModelCard(id=rt.served_model_name, created=rt.started, root=rt.model_source,
@@ -136,9 +138,20 @@ async def manifest(request: Request) -> dict:
 @management.get("/v1/metrics", response_class=Response)
 @management.get("/metrics", response_class=Response, include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    return Response(runtime(request).metrics.exposition(), media_type=PROMETHEUS_TEXT)
+    rt = runtime(request)
+    engine_own = await rt.engine.scrape()  # refreshes the gauges first
+    return Response(rt.metrics.exposition() + engine_own, media_type=PROMETHEUS_TEXT)
 
 
-def attach_routers(app: FastAPI) -> None:
+def attach_routers(app: FastAPI, runtime_: Runtime) -> None:
+    """Management routes always; inference routes served in-process, or proxied to an engine process."""
     app.include_router(management)
-    app.include_router(inference)
+    app.include_router(models_router)
+    if runtime_.serving is not None:
+        app.include_router(inference)
+    else:
+        from service.api.proxy import attach_proxy
+
+        proxied = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)
+        attach_proxy(proxied)
+        app.include_router(proxied)

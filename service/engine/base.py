@@ -79,12 +79,17 @@ class QueueFullError(EngineError):
     """Too many requests wait already: 503 with Retry-After."""
 
 
-class Engine(ABC):
-    """start / ready / generate / abort / stats / shutdown, the same for every engine."""
+class EngineBase(ABC):
+    """What the runtime needs of every engine: start, ready, stats, shutdown.
+
+    Two kinds serve requests differently (KServe's capabilities): an in-process `Engine` streams
+    token deltas to our OpenAI layer; a `ProcessEngine` is an upstream OpenAI server the runtime
+    supervises and proxies to.
+    """
 
     max_model_len: int
     max_num_seqs: int
-    tokenizer: Any  # a transformers tokenizer: the HTTP layer builds prompts with it
+    on_death: Any = None  # set by the app: called with the reason when the engine dies while serving
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -95,14 +100,38 @@ class Engine(ABC):
         """True once the engine can generate and until it dies or shuts down."""
 
     @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    async def scrape(self) -> bytes:
+        """Refresh what `stats()` reports before a metrics scrape; returns the engine's own
+        exposition to append (none for an in-process engine)."""
+        return b""
+
+    def describe(self) -> str:
+        """What runs, for logs and `serve --dry-run`."""
+        return type(self).__name__
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
+
+
+class Engine(EngineBase):
+    """An in-process engine: the HTTP layer tokenizes and streams deltas from `generate`."""
+
+    tokenizer: Any  # a transformers tokenizer: the HTTP layer builds prompts with it
+
+    @abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[list[ChoiceDelta]]:
         """Stream the request's deltas, one list per engine step; closing the iterator aborts it."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
 
-    @abstractmethod
-    def stats(self) -> EngineStats: ...
 
-    @abstractmethod
-    async def shutdown(self) -> None: ...
+class ProcessEngine(EngineBase):
+    """An upstream OpenAI-compatible server run as a child process on a private loopback port."""
+
+    base_url: str
+    command: list[str]
+    max_queue: int
+    client: Any  # an httpx.AsyncClient to the child, once started

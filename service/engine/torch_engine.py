@@ -109,6 +109,10 @@ class TorchEngine(Engine):
         self._failures = 0
         self._thread: threading.Thread | None = None
 
+    def describe(self) -> str:
+        return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
+                f"max_model_len={self.max_model_len}, {self.cpu_threads} CPU thread(s)")
+
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig

@@ -1,0 +1,178 @@
+"""Inference routes in front of an engine process: requests pass through, streams as they arrive.
+
+The runtime keeps what the contract promises (auth, request ids, body limit, 503 while loading or
+past NIM_MAX_QUEUE, drain, metrics with NIM's names that equal the usage clients received); the
+engine validates parameters and serves its extra features (tools, response_format, embeddings,
+/tokenize, /v1/responses). A client that goes away closes the upstream connection, which aborts
+the request in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from service.api.errors import ServingError
+from service.engine.base import ProcessEngine
+
+# Routes the engine serves; those marked True generate tokens (metrics, queue bound).
+PROXIED = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/responses": True,
+           "/v1/embeddings": False, "/tokenize": False, "/detokenize": False, "/v1/score": False,
+           "/v1/rerank": False, "/pooling": False, "/classify": False}
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization"}
+RETRY = {"Retry-After": "1"}
+
+
+@dataclass
+class Observed:
+    """What the runtime's metrics need of one proxied generation."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    usage: dict | None = None
+    finish: str | None = None
+
+    def chunk(self, event: dict) -> None:
+        now = time.perf_counter()
+        for choice in event.get("choices") or []:
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+            if _has_output(choice):
+                if self.first is None:
+                    self.first = now
+                elif self.last is not None:
+                    self.gaps.append(now - self.last)
+                self.last = now
+        if event.get("usage"):
+            self.usage = event["usage"]
+
+    def record(self, metrics, failure: str | None = None) -> None:
+        usage = self.usage or {}
+        reason = failure or self.finish or "stop"
+        if failure is None and not usage:
+            return  # nothing was generated (an engine 4xx): as the in-process path, not counted
+        metrics.record(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                       generation_tokens=int(usage.get("completion_tokens") or 0),
+                       finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
+                       ttft=None if self.first is None else self.first - self.start, token_gaps=self.gaps,
+                       e2e=time.perf_counter() - self.start)
+
+
+def _has_output(choice: dict) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+def _headers(request: Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    headers["x-request-id"] = request.state.request_id
+    return headers
+
+
+def attach_proxy(router: APIRouter) -> None:
+    for path in PROXIED:
+        router.add_api_route(path, forward, methods=["POST"], include_in_schema=True,
+                             summary=f"{path}, served by the engine process")
+
+
+async def forward(request: Request) -> Response:
+    from service.api.router import cancel_on_disconnect, runtime
+
+    rt = runtime(request)
+    engine: ProcessEngine = rt.engine  # type: ignore[assignment]
+    generates = PROXIED[request.url.path]
+    if not rt.ready:
+        raise ServingError(503, rt.not_ready_reason(), headers=RETRY)
+    if generates and rt.in_flight >= engine.max_num_seqs + engine.max_queue:
+        raise ServingError(503, f"too many requests: {rt.in_flight} in flight (NIM_MAX_QUEUE={engine.max_queue})",
+                           headers=RETRY)
+    body = await request.body()
+    payload = _json(body)
+    streaming = isinstance(payload, dict) and payload.get("stream") is True
+    wants_usage = streaming and bool((payload.get("stream_options") or {}).get("include_usage"))
+    if streaming and generates and request.url.path != "/v1/responses":
+        payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+        body = json.dumps(payload).encode()
+    upstream = engine.client.build_request("POST", request.url.path, content=body, headers=_headers(request),
+                                           params=request.query_params)
+    observed = Observed()
+    rt.in_flight += 1
+    try:
+        response = await cancel_on_disconnect(request, engine.client.send(upstream, stream=True))
+    except Exception as exc:
+        rt.in_flight -= 1
+        if generates:
+            observed.record(rt.metrics, "error")
+        raise ServingError(503, f"the engine did not answer: {type(exc).__name__}", headers=RETRY) from None
+    if not hasattr(response, "aiter_lines"):  # the client went away before the engine answered
+        rt.in_flight -= 1
+        if generates:
+            observed.record(rt.metrics, "abort")
+        return response
+    media = response.headers.get("content-type", "application/json")
+    if not media.startswith("text/event-stream"):
+        try:
+            content = await response.aread()
+        finally:
+            await response.aclose()
+            rt.in_flight -= 1
+        if generates and response.status_code == 200:
+            observed.usage = (_json(content) or {}).get("usage")
+            observed.finish = next((c.get("finish_reason") for c in (_json(content) or {}).get("choices") or []), None)
+            observed.record(rt.metrics)
+        elif generates and response.status_code >= 500:
+            observed.record(rt.metrics, "error")
+        return Response(content, status_code=response.status_code, media_type=media)
+    return StreamingResponse(_relay(rt, response, observed, wants_usage or not generates),
+                             status_code=response.status_code, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
+    """SSE events as they arrive; the usage-only chunk the runtime asked for is dropped when the
+    client did not ask for it."""
+    failure, lines = "abort", []
+    try:
+        async for line in response.aiter_lines():
+            if line:
+                lines.append(line)
+                continue
+            if event := _event(lines, observed, keep_usage_chunk):
+                yield event
+            lines = []
+        if event := _event(lines, observed, keep_usage_chunk):
+            yield event
+        failure = None
+    except Exception:
+        failure = "error"
+        raise
+    finally:
+        rt.in_flight -= 1
+        await response.aclose()
+        observed.record(rt.metrics, failure)
+
+
+def _event(lines: list[str], observed: Observed, keep_usage_chunk: bool) -> str | None:
+    """One SSE event (its lines up to the blank one), observed for metrics; None to drop it."""
+    if not lines:
+        return None
+    data = next((line[6:] for line in lines if line.startswith("data: {")), None)
+    if data is not None:
+        event = _json(data.encode()) or {}
+        observed.chunk(event)
+        if not keep_usage_chunk and event.get("usage") and not event.get("choices"):
+            return None
+    return "\n".join(lines) + "\n\n"
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None

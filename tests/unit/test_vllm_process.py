@@ -1,0 +1,75 @@
+"""The vLLM child's command line and the metrics the runtime reads back from it (no vLLM needed)."""
+
+from pathlib import Path
+
+from service.api.proxy import Observed, _event
+from service.engine.base import EngineStats
+from service.engine.vllm_process import gauges_from_vllm, vllm_arguments
+from service.manifest import Profile, ProfileTags
+from service.settings import load_settings
+
+
+def arguments(env: dict[str, str] | None = None, **profile_kwargs) -> list[str]:
+    tags = {"engine": "vllm", "precision": "bf16", "tp": 2, "gpu": "h100", **profile_kwargs.pop("tags", {})}
+    profile = Profile(tags=ProfileTags(**tags), **profile_kwargs)
+    return vllm_arguments(Path("/models/m"), "m", profile, load_settings({}, env or {}),
+                          max_model_len=4096, max_num_seqs=16, port=8001)
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The last value given for --name (vLLM's argparse keeps the last)."""
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    return values[-1] if values else None
+
+
+def test_profile_tags_become_vllm_flags():
+    args = arguments(engine_args={"enforce_eager": True, "max_queue": 9, "kv_cache_dtype": "fp8"})
+    assert flag(args, "--model") == "/models/m" and flag(args, "--served-model-name") == "m"
+    assert (flag(args, "--host"), flag(args, "--port")) == ("127.0.0.1", "8001")
+    assert flag(args, "--tensor-parallel-size") == "2" and flag(args, "--dtype") == "bfloat16"
+    assert "--enforce-eager" in args and flag(args, "--kv-cache-dtype") == "fp8"
+    assert "--max-queue" not in args  # the runtime's own bound, not vLLM's
+    assert (flag(args, "--max-model-len"), flag(args, "--max-num-seqs")) == ("4096", "16")
+    assert "--enable-prefix-caching" in args
+
+
+def test_fp8_profiles_quantize_and_structured_args_are_json():
+    args = arguments(tags={"precision": "fp8"}, engine_args={"compilation_config": {"level": 0}})
+    assert flag(args, "--quantization") == "fp8" and flag(args, "--dtype") is None
+    assert flag(args, "--compilation-config") == '{"level": 0}'
+
+
+def test_settings_override_the_profile_and_passthrough_overrides_both():
+    args = arguments({"NIM_TENSOR_PARALLEL_SIZE": "4", "NIM_ENABLE_KV_CACHE_REUSE": "0",
+                      "NIM_PASSTHROUGH_ARGS": "--tensor-parallel-size 8 --swap-space '2'"})
+    assert flag(args, "--tensor-parallel-size") == "8" and flag(args, "--swap-space") == "2"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert args.index("--no-enable-prefix-caching") < args.index("--swap-space")
+
+
+VLLM_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_gauges_come_from_vllms_exposition_and_keep_the_last_values_when_absent():
+    previous = EngineStats(running=0, waiting=0, max_num_seqs=16, kv_cache_usage=0.0)
+    stats = gauges_from_vllm(VLLM_METRICS, 16, previous)
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (3, 1, 0.25)
+    assert gauges_from_vllm("", 16, stats) == stats
+
+
+def test_the_usage_chunk_the_runtime_added_is_observed_then_dropped():
+    observed = Observed()
+    content = ['data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}']
+    usage = ['data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}']
+    assert _event(content, observed, keep_usage_chunk=False) == content[0] + "\n\n"
+    assert _event(usage, observed, keep_usage_chunk=False) is None
+    assert _event(["data: [DONE]"], observed, keep_usage_chunk=False) == "data: [DONE]\n\n"
+    assert observed.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert observed.first is not None and _event(usage, Observed(), keep_usage_chunk=True) == usage[0] + "\n\n"
