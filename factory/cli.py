@@ -205,6 +205,9 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
          model_dir: Annotated[Path | None, typer.Option(help="With --url: local weights for the parity check.")] = None,
          dataset: Annotated[Path | None, typer.Option(help="JSONL of {prompt, completion} for exact match.")] = None,
          suite: Annotated[str, typer.Option(help="openai, or nim (adds health, metadata, manifest, metrics).")] = "nim",
+         reference_url: Annotated[str | None, typer.Option(
+             help="With --url: a server on the same weights (another engine's image); greedy outputs must match "
+                  "it token for token.")] = None,
          as_json: JsonFlag = False) -> None:
     """Run the harness (conformance, accuracy, performance, metrics); write a report. Exit 1 when a gate fails."""
     from factory.errors import InputError
@@ -213,14 +216,17 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
     def work():
         if (spec is None) == (url is None) or (url is not None and not model):
             raise InputError("give a SPEC, or --url URL --model NAME")
+        if reference_url and url is None:
+            raise InputError("--reference-url goes with --url")
         if spec is not None:
             return runner(spec, report_dir=output).test_report()
         from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 
         report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
         groups = ("openai", "nim") if suite == "nim" else ("openai",)
-        return run_harness(url.rstrip("/"), model, HarnessConfig(groups=groups), report_dir,
-                           pairs=load_pairs(dataset), model_dir=model_dir, progress=say)
+        config = HarnessConfig(groups=groups, reference_url=reference_url.rstrip("/") if reference_url else None)
+        return run_harness(url.rstrip("/"), model, config, report_dir, pairs=load_pairs(dataset),
+                           model_dir=model_dir, progress=say)
 
     report = guarded("test", work)
     emit(report.model_dump(mode="json"), as_json, f"{report.summary}\nreport: {report.report_dir / 'summary.md'}")

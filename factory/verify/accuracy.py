@@ -1,5 +1,7 @@
 """Accuracy: (a) exact match on prompts whose continuation is known, (b) parity of greedy tokens and
-their logprobs with a reference computed in-process by plain transformers on the same weights.
+their logprobs with a reference computed in-process by plain transformers on the same weights,
+(c) optionally, token-for-token parity of greedy outputs with another server on the same weights
+(another engine's image), which catches what differs between engines rather than from a reference.
 
 A broken engine (wrong positions, a reused cache) changes tokens or logprobs and fails these.
 """
@@ -76,3 +78,28 @@ def parity(url: str, model: str, model_dir: Path, prompts: list[str], precision:
                     mismatches.append({"prompt": prompt, "problem": f"{len(got)} tokens, reference {len(ref)}"})
     return {"passed": not mismatches, "prompts": len(prompts), "tolerance": tolerance,
             "max_logprob_diff": worst, "mismatches": mismatches[:10]}
+
+
+def greedy_tokens(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> list[str] | str:
+    """The greedy continuation's tokens, or the problem when the server does not answer."""
+    reply = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                               "temperature": 0, "logprobs": 0})
+    if reply.status_code != 200:
+        return f"HTTP {reply.status_code}"
+    return reply.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def engine_parity(url: str, reference_url: str, model: str, prompts: list[str], max_tokens: int = 48) -> dict:
+    """Greedy outputs of `url` and `reference_url` must be identical, token for token."""
+    mismatches = []
+    with httpx.Client(base_url=url, timeout=120) as http, httpx.Client(base_url=reference_url, timeout=120) as ref:
+        for prompt in prompts:
+            got, want = greedy_tokens(http, model, prompt, max_tokens), greedy_tokens(ref, model, prompt, max_tokens)
+            if isinstance(got, str) or isinstance(want, str):
+                mismatches.append({"prompt": prompt, "problem": got if isinstance(got, str) else f"reference {want}"})
+            elif got != want:
+                position = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                mismatches.append({"prompt": prompt, "position": position,
+                                   "problem": f"{got[position:position + 3]} != reference {want[position:position + 3]}"})
+    return {"passed": not mismatches, "prompts": len(prompts), "reference": reference_url,
+            "mismatches": mismatches[:10]}

@@ -112,7 +112,9 @@ def _stream_usage(ctx: Context) -> None:
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     final = chunks[-1]
     assert final["choices"] == [] and final.get("usage"), "no usage chunk before [DONE] with include_usage"
-    assert final["usage"] == whole["usage"], f"streamed usage {final['usage']} != non-streamed {whole['usage']}"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # servers may add fields (vLLM: *_details)
+    streamed, plain = ({k: u.get(k) for k in counts} for u in (final["usage"], whole["usage"]))
+    assert streamed == plain, f"streamed usage {streamed} != non-streamed {plain}"
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == whole["choices"][0]["text"], "streamed text differs from the non-streamed text"
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.verify.accuracy import exact_match, parity
+from factory.verify.accuracy import engine_parity, exact_match, parity
 from factory.verify.conformance import run_conformance
 from factory.verify.load import LoadSettings, run_load, summarize
 from factory.verify.metrics_check import check_metrics
@@ -27,6 +27,7 @@ class HarnessConfig:
     slo: dict[str, float | None] = field(default_factory=dict)
     groups: tuple[str, ...] = ("openai", "nim")
     precision: str = "fp32"
+    reference_url: str | None = None  # another server on the same weights: greedy outputs must match it
 
 
 def load_pairs(dataset: Path | None) -> list[tuple[str, str]]:
@@ -48,6 +49,9 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
     accuracy: dict = {"threshold": config.min_exact_match, "exact_match": exact_match(url, model, pairs)}
     if model_dir is not None:
         accuracy["parity"] = parity(url, model, model_dir, [p for p, _ in pairs[:8]], config.precision)
+    if config.reference_url:
+        progress(f"greedy outputs against {config.reference_url}...")
+        accuracy["engine_parity"] = engine_parity(url, config.reference_url, model, [p for p, _ in pairs])
     result["accuracy"] = accuracy
     if "nim" in config.groups:
         progress("metrics checks...")

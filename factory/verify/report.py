@@ -51,6 +51,11 @@ def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
         rows.append(("accuracy.parity", p["passed"],
                      f"max logprob diff {p['max_logprob_diff']:.2e} (tolerance {p['tolerance']})"
                      + (f"; {p['mismatches'][0]}" if p["mismatches"] else "")))
+    if "engine_parity" in acc:
+        p = acc["engine_parity"]
+        rows.append(("accuracy.engine_parity", p["passed"],
+                     f"{p['prompts'] - len(p['mismatches'])}/{p['prompts']} greedy outputs identical to {p['reference']}"
+                     + (f"; {p['mismatches'][0]}" if p["mismatches"] else "")))
     rows += [(c["id"], c["passed"], c["message"]) for c in result.get("metrics", {}).get("checks", [])]
     for slo in result.get("slo", []):
         rows.append((slo["id"], slo["passed"], slo["message"]))
