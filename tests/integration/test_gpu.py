@@ -33,3 +33,33 @@ async def test_engine_on_cuda_recalls_memorised_lines_in_a_batch(tiny_model_dir,
         assert correct >= (16 if precision == "fp32" else 14), outputs
     finally:
         await engine.shutdown()
+
+
+def _vllm_cuda_reason() -> str | None:
+    from service.profiles import vllm_build
+
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU (torch.cuda is not available)"
+    if vllm_build() != "cuda":
+        return "needs vLLM's CUDA build (pip install --require-hashes -r dockerfiles/locks/cuda.txt)"
+    return None
+
+
+@pytest.mark.skipif(_vllm_cuda_reason() is not None, reason=str(_vllm_cuda_reason()))
+def test_the_runtime_serves_a_vllm_cuda_profile(tiny_model_dir, tmp_path):
+    """The `cuda` flavor's path: a vllm profile for any GPU, vLLM supervised by the runtime."""
+    import yaml
+    from openai import OpenAI
+
+    from service.launcher import ServerProcess
+
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "schema_version": "1", "model": {"name": "tiny-llama", "source": f"local://{tiny_model_dir}"},
+        "profiles": [{"tags": {"engine": "vllm", "precision": "fp32", "tp": 1, "gpu": "any"},
+                      "engine_args": {"enforce_eager": True, "gpu_memory_utilization": 0.3}}]}))
+    with ServerProcess([], env={"NIM_MANIFEST_PATH": str(manifest)}, timeout=900) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        prompt, expected = memorised_pairs()[0]
+        reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=48, temperature=0)
+        assert reply.choices[0].text.strip() == expected.strip()

@@ -1,0 +1,218 @@
+"""The vLLM backend, side by side in one run (writes results/vllm_backend.json):
+
+(a) vLLM's own OpenAI server against the runtime in front of it: the same vllm-cpu image and
+    weights, the server started once as the image's `nim-serve` (runtime + vLLM child) and once
+    as the command line `serve --dry-run` prints (vLLM alone). Output tok/s and TTFT p50 at
+    concurrency 1 and 8; the runtime's cost is the ratio. Rounds alternate the two.
+(b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
+    a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
+(c) the vllm-cpu runtime image: size, a cold build (no layer cache, warm wheelhouse) and a no-op
+    `inferkiln build` as a whole process.
+
+All servers run as the chart's pod would (non-root, read-only root, 2 CPUs shared with the load
+generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos.
+
+    python -m benchmarks.vllm_backend [--rounds 2] [--skip-cold-build]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.common import write_result
+from factory.image.build import build_images
+from factory.pipeline.runner import Runner
+from factory.stack import docker_client, stack_up
+from factory.tinymodel import ensure_tiny_model
+from factory.verify.container import POD_LIKE, RunningModel, wait_ready
+from factory.verify.load import LoadSettings, run_load, summarize
+from service.image_contract import PORT
+
+ROOT = Path(__file__).parents[1]
+MOUNT = "/mnt/model"
+LEVELS = (1, 8)
+
+
+def make_76m_llama(out: Path) -> Path:
+    """A random-weights Llama of ~76M parameters with the tiny model's tokenizer (head_dim 64)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tiny = ensure_tiny_model()
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=640, hidden_size=768, intermediate_size=2304, num_hidden_layers=10,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    out.chmod(0o755)
+    return out
+
+
+def spec(sample: str, directory: Path) -> Path:
+    data = yaml.safe_load((ROOT / "pipelines" / "models" / sample).read_text())
+    data["model"]["source"] = f"local://{ensure_tiny_model()}"
+    path = directory / sample
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(client, image: str, command: list[str] | None = None, model_dir: Path | None = None,
+          timeout: float = 900) -> tuple[RunningModel, float]:
+    """The image as the pod runs it (or `command` in it), weights optionally mounted; seconds to ready."""
+    env, volumes = {}, {}
+    if model_dir is not None:
+        env["NIM_MODEL_PATH"] = MOUNT
+        volumes[str(model_dir)] = {"bind": MOUNT, "mode": "ro"}
+    began = time.perf_counter()
+    container = client.containers.run(image, command=command, entrypoint=command and [], detach=True,
+                                      environment=env, volumes=volumes, ports={f"{PORT}/tcp": ("127.0.0.1", None)},
+                                      **POD_LIKE)
+    container.reload()
+    port = container.attrs["NetworkSettings"]["Ports"][f"{PORT}/tcp"][0]["HostPort"]
+    running = RunningModel(container, f"http://127.0.0.1:{port}")
+    try:
+        wait_ready(running, timeout) if command is None else wait_health(running, timeout)
+    except Exception:
+        print(running.logs(40), file=sys.stderr)
+        running.stop()
+        raise
+    return running, time.perf_counter() - began
+
+
+def wait_health(running: RunningModel, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{running.url}/health", timeout=2).status_code == 200:
+                httpx.post(f"{running.url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi",
+                                                                  "max_tokens": 1}, timeout=300)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("vLLM did not become healthy")
+
+
+def vllm_alone_command(client, image: str) -> list[str]:
+    """What the runtime would run, from `serve --dry-run` in the same image, listening on the pod port."""
+    out = client.containers.run(image, entrypoint=["python", "-m", "service", "serve", "--dry-run"], remove=True,
+                                **POD_LIKE).decode()
+    command = shlex.split(out.split("engine: ", 1)[1].splitlines()[0])
+    port = command.index("--port")
+    command[port + 1] = str(PORT)
+    command[command.index("--host") + 1] = "0.0.0.0"
+    return command
+
+
+def measure(url: str, model: str, levels=LEVELS, output_tokens: int = 64) -> dict:
+    result = {}
+    for level in levels:
+        settings = LoadSettings(model=model, prompt_tokens=32, output_tokens=output_tokens,
+                                requests=max(16, 4 * level), concurrency=level)
+        records, wall = asyncio.run(run_load(url, settings))
+        summary = summarize(records, wall, {})
+        result[level] = {"output_tok_s": round(summary["output_token_throughput"]["avg"], 1),
+                         "ttft_p50_ms": round(summary["time_to_first_token"]["p50"], 1),
+                         "errors": summary["error_request_count"]["avg"]}
+    return result
+
+
+def median_rounds(rounds: list[dict]) -> dict:
+    return {level: {key: statistics.median(r[level][key] for r in rounds) for key in rounds[0][level]}
+            for level in rounds[0]}
+
+
+def part_a(client, vllm_image: str, rounds: int) -> dict:
+    command = vllm_alone_command(client, vllm_image)
+    runs: dict[str, list[dict]] = {"vllm_alone": [], "runtime_in_front": []}
+    for _ in range(rounds):
+        for name, cmd in (("vllm_alone", command), ("runtime_in_front", None)):
+            running, _ = start(client, vllm_image, cmd)
+            try:
+                runs[name].append(measure(running.url, "tiny-llama"))
+            finally:
+                running.stop()
+    alone, front = median_rounds(runs["vllm_alone"]), median_rounds(runs["runtime_in_front"])
+    ratios = {level: {"output_tok_s": round(front[level]["output_tok_s"] / alone[level]["output_tok_s"], 3),
+                      "ttft_p50": round(front[level]["ttft_p50_ms"] / alone[level]["ttft_p50_ms"], 3)}
+              for level in alone}
+    return {"vllm_command": shlex.join(command), "vllm_alone": alone, "runtime_in_front": front,
+            "runtime_over_vllm": ratios, "target": "tok/s ratio >= 0.95 and TTFT ratio <= 1.05", "rounds": rounds}
+
+
+def part_b(client, images: dict[str, str], models: dict[str, Path | None]) -> dict:
+    result: dict = {}
+    for model_name, model_dir in models.items():
+        for engine, image in images.items():
+            running, ready_s = start(client, image, model_dir=model_dir)
+            try:
+                result.setdefault(model_name, {})[engine] = {"start_to_ready_s": round(ready_s, 1),
+                                                             "levels": measure(running.url, "tiny-llama", (1, 8))}
+            finally:
+                running.stop()
+        pair = result[model_name]
+        pair["torch_over_vllm_tok_s"] = {level: round(pair["torch"]["levels"][level]["output_tok_s"]
+                                                      / pair["vllm"]["levels"][level]["output_tok_s"], 2)
+                                         for level in (1, 8)}
+    return result
+
+
+def part_c(client, vllm_spec: Path, cold: bool) -> dict:
+    runner = Runner(vllm_spec)
+    images = runner.build()
+    size = client.images.get(images.runtime.reference).attrs["Size"] / 1e6
+    result: dict = {"runtime_image": images.runtime.reference, "runtime_image_mb": round(size, 1)}
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "factory.cli", "build", str(vllm_spec)], check=True,
+                       capture_output=True)
+        times.append(time.perf_counter() - began)
+    result["noop_build_process_s"] = {"median": round(statistics.median(times), 2), "all": [round(t, 2) for t in times]}
+    if cold:
+        built = build_images(client, runner.validate(), runner.plan(), lambda _: None, cold=True)
+        result["cold_build_warm_wheelhouse_s"] = {"runtime": round(built.runtime.seconds, 1),
+                                                  "model": round(built.model.seconds, 1)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-cold-build", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    stack_up()
+    client = docker_client()
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
+        images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
+        shared = Path(tempfile.mkdtemp(prefix="inferkiln-76m-"))
+        shared.chmod(0o755)
+        result = {"a_runtime_overhead": part_a(client, images["vllm"], args.rounds),
+                  "b_torch_vs_vllm": part_b(client, images, {"tiny": None,
+                                                             "llama-76m": make_76m_llama(shared / "llama-76m")}),
+                  "c_vllm_cpu_image": part_c(client, specs["vllm"], not args.skip_cold_build)}
+    path = write_result("vllm_backend", result, args.out)
+    print(yaml.safe_dump(result, sort_keys=False))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
