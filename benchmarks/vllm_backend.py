@@ -73,12 +73,12 @@ def spec(sample: str, directory: Path) -> Path:
 def start(client, image: str, command: list[str] | None = None, model_dir: Path | None = None,
           timeout: float = 900) -> tuple[RunningModel, float]:
     """The image as the pod runs it (or `command` in it), weights optionally mounted; seconds to ready."""
-    env, volumes = {}, {}
+    env, volumes = {"VLLM_NO_USAGE_STATS": "1"}, {}
     if model_dir is not None:
         env["NIM_MODEL_PATH"] = MOUNT
         volumes[str(model_dir)] = {"bind": MOUNT, "mode": "ro"}
     began = time.perf_counter()
-    container = client.containers.run(image, command=command, entrypoint=command and [], detach=True,
+    container = client.containers.run(image, entrypoint=command, detach=True,
                                       environment=env, volumes=volumes, ports={f"{PORT}/tcp": ("127.0.0.1", None)},
                                       **POD_LIKE)
     container.reload()
