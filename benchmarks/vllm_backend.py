@@ -58,7 +58,7 @@ def make_76m_llama(out: Path) -> Path:
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
-    out.chmod(0o755)
+    subprocess.run(["chmod", "-R", "a+rX", str(out)], check=True)  # the images' user reads it (a bind mount)
     return out
 
 
@@ -205,11 +205,14 @@ def main() -> None:
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
         shared = Path(tempfile.mkdtemp(prefix="inferkiln-76m-"))
         shared.chmod(0o755)
-        result = {"a_runtime_overhead": part_a(client, images["vllm"], args.rounds),
-                  "b_torch_vs_vllm": part_b(client, images, {"tiny": None,
-                                                             "llama-76m": make_76m_llama(shared / "llama-76m")}),
-                  "c_vllm_cpu_image": part_c(client, specs["vllm"], not args.skip_cold_build)}
-    path = write_result("vllm_backend", result, args.out)
+        result: dict = {}
+        parts = {"a_runtime_overhead": lambda: part_a(client, images["vllm"], args.rounds),
+                 "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None,
+                                                                    "llama-76m": make_76m_llama(shared / "llama-76m")}),
+                 "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
+        for name, part in parts.items():
+            result[name] = part()
+            path = write_result("vllm_backend", result, args.out)  # each part kept as soon as it is measured
     print(yaml.safe_dump(result, sort_keys=False))
     print(path)
 
