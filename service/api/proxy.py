@@ -25,6 +25,7 @@ PROXIED = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/responses
            "/v1/rerank": False, "/pooling": False, "/classify": False}
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization"}
 RETRY = {"Retry-After": "1"}
+RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": "error"}
 
 
 @dataclass
@@ -37,9 +38,14 @@ class Observed:
     gaps: list[float] = field(default_factory=list)
     usage: dict | None = None
     finish: str | None = None
+    ended: bool = False  # the stream's final event passed: a disconnect after it is no abort
 
     def chunk(self, event: dict) -> None:
         now = time.perf_counter()
+        if event.get("type") in RESPONSE_ENDS:  # /v1/responses: the final event carries the usage
+            self.ended = True
+            self.usage = _counts((event.get("response") or {}).get("usage"))
+            self.finish = RESPONSE_ENDS[event["type"]]
         for choice in event.get("choices") or []:
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
@@ -50,7 +56,7 @@ class Observed:
                     self.gaps.append(now - self.last)
                 self.last = now
         if event.get("usage"):
-            self.usage = event["usage"]
+            self.usage = _counts(event["usage"])
 
     def record(self, metrics, failure: str | None = None) -> None:
         usage = self.usage or {}
@@ -62,6 +68,13 @@ class Observed:
                        finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
                        ttft=None if self.first is None else self.first - self.start, token_gaps=self.gaps,
                        e2e=time.perf_counter() - self.start)
+
+
+def _counts(usage: dict | None) -> dict | None:
+    """Usage in chat/completions terms; /v1/responses names its counts input/output_tokens."""
+    if not usage or "input_tokens" not in usage:
+        return usage
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
 def _has_output(choice: dict) -> bool:
@@ -123,7 +136,7 @@ async def forward(request: Request) -> Response:
             await response.aclose()
             rt.in_flight -= 1
         if generates and response.status_code == 200:
-            observed.usage = (_json(content) or {}).get("usage")
+            observed.usage = _counts((_json(content) or {}).get("usage"))
             observed.finish = next((c.get("finish_reason") for c in (_json(content) or {}).get("choices") or []), None)
             observed.record(rt.metrics)
         elif generates and response.status_code >= 500:
@@ -136,16 +149,28 @@ async def forward(request: Request) -> Response:
 
 async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
     """SSE events as they arrive; the usage-only chunk the runtime asked for is dropped when the
-    client did not ask for it."""
+    client did not ask for it. The request is settled (metrics, in flight) before its final event
+    is sent, so a client that has it sees metrics that count it and may close at once."""
+    settled = False
+
+    def settle(failure: str | None) -> None:
+        nonlocal settled
+        if not settled:
+            settled = True
+            rt.in_flight -= 1
+            observed.record(rt.metrics, failure)
+
     failure, lines = "abort", []
     try:
         async for line in response.aiter_lines():
             if line:
                 lines.append(line)
                 continue
-            if event := _event(lines, observed, keep_usage_chunk):
+            event, lines = _event(lines, observed, keep_usage_chunk), []
+            if observed.ended:
+                settle(None)
+            if event:
                 yield event
-            lines = []
         if event := _event(lines, observed, keep_usage_chunk):
             yield event
         failure = None
@@ -153,15 +178,16 @@ async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
         failure = "error"
         raise
     finally:
-        rt.in_flight -= 1
+        settle(failure)
         await response.aclose()
-        observed.record(rt.metrics, failure)
 
 
 def _event(lines: list[str], observed: Observed, keep_usage_chunk: bool) -> str | None:
     """One SSE event (its lines up to the blank one), observed for metrics; None to drop it."""
     if not lines:
         return None
+    if "data: [DONE]" in lines:
+        observed.ended = True
     data = next((line[6:] for line in lines if line.startswith("data: {")), None)
     if data is not None:
         event = _json(data.encode()) or {}

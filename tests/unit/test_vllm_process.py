@@ -1,11 +1,14 @@
 """The vLLM child's command line and the metrics the runtime reads back from it (no vLLM needed)."""
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
-from service.api.proxy import Observed, _event
+from service.api.proxy import Observed, _event, _relay
 from service.engine.base import EngineStats
 from service.engine.vllm_process import gauges_from_vllm, vllm_arguments
 from service.manifest import Profile, ProfileTags
+from service.metrics import ServiceMetrics
 from service.settings import load_settings
 
 
@@ -73,3 +76,71 @@ def test_the_usage_chunk_the_runtime_added_is_observed_then_dropped():
     assert _event(["data: [DONE]"], observed, keep_usage_chunk=False) == "data: [DONE]\n\n"
     assert observed.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     assert observed.first is not None and _event(usage, Observed(), keep_usage_chunk=True) == usage[0] + "\n\n"
+
+
+class _Upstream:
+    """The engine's streamed response, as httpx gives it (lines, then close)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines, self.closed = lines, False
+
+    async def aiter_lines(self):
+        for line in self.lines:
+            yield line
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _runtime() -> SimpleNamespace:
+    stats = EngineStats(running=0, waiting=0, max_num_seqs=4, kv_cache_usage=0.0)
+    return SimpleNamespace(in_flight=1, metrics=ServiceMetrics("m", 512, lambda: stats))
+
+
+def _succeeded(rt) -> float:
+    return rt.metrics.registry.get_sample_value("request_success_total", {"model_name": "m", "finished_reason": "stop"}) or 0
+
+
+def _aborted(rt) -> float:
+    return rt.metrics.registry.get_sample_value("request_failure_total", {"model_name": "m", "reason": "abort"}) or 0
+
+
+def test_a_stream_is_counted_before_its_final_event_reaches_the_client():
+    """A client may scrape, or close, as soon as it has [DONE]: neither may find the request uncounted."""
+    rt = _runtime()
+    upstream = _Upstream(['data: {"choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}', "",
+                          'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}', "",
+                          "data: [DONE]", ""])
+
+    async def client_leaves_on_done() -> list[str]:
+        relay, seen = _relay(rt, upstream, Observed(), keep_usage_chunk=False), []
+        async for event in relay:
+            seen.append(event)
+            if event.startswith("data: [DONE]"):
+                assert (_succeeded(rt), rt.in_flight) == (1, 0), "counted only after the client had [DONE]"
+                await relay.aclose()  # the client closes before the engine ends its stream
+        return seen
+
+    assert len(asyncio.run(client_leaves_on_done())) == 2
+    assert (_succeeded(rt), rt.in_flight, upstream.closed) == (1, 0, True)
+    assert _aborted(rt) == 0
+
+
+def test_a_client_that_leaves_mid_stream_is_an_abort_and_a_responses_stream_counts_its_usage():
+    rt = _runtime()
+    upstream = _Upstream(['data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}', "", "data: [DONE]", ""])
+
+    async def leave_after_first() -> None:
+        relay = _relay(rt, upstream, Observed(), keep_usage_chunk=False)
+        await relay.__anext__()
+        await relay.aclose()
+
+    asyncio.run(leave_after_first())
+    assert _aborted(rt) == 1
+    assert (_succeeded(rt), rt.in_flight) == (0, 0)
+
+    observed = Observed()
+    _event(["event: response.completed",
+            'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":2}}}'],
+           observed, keep_usage_chunk=False)
+    assert observed.ended and observed.usage == {"prompt_tokens": 5, "completion_tokens": 2}
