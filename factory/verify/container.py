@@ -35,10 +35,11 @@ class RunningModel:
             self.container.remove(force=True)
 
 
-def start_model(client, reference: str, env: dict[str, str] | None = None, timeout: float = 180) -> RunningModel:
+def start_model(client, reference: str, env: dict[str, str] | None = None, timeout: float = 180,
+                volumes: dict | None = None) -> RunningModel:
     """Start `reference` with the pod's settings on a free loopback port and wait for readiness."""
     container = client.containers.run(reference, detach=True, environment={"NIM_LOG_LEVEL": "INFO", **(env or {})},
-                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, **POD_LIKE)
+                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, volumes=volumes or {}, **POD_LIKE)
     container.reload()
     host_port = container.attrs["NetworkSettings"]["Ports"][f"{PORT}/tcp"][0]["HostPort"]
     running = RunningModel(container, f"http://127.0.0.1:{host_port}")
