@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import yaml
 
 from benchmarks.common import write_result
@@ -36,7 +38,7 @@ from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
 from factory.tinymodel import ensure_tiny_model
 from factory.verify.container import RunningModel, start_model
-from factory.verify.load import LoadSettings, run_load, summarize
+from factory.verify.load import LoadSettings, one_request, run_load, summarize
 from service.image_contract import PORT
 
 ROOT = Path(__file__).parents[1]
@@ -110,6 +112,7 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
         doors = {"vllm_direct": f"http://{ip}:{child_port(running)}", "runtime_in_front": f"http://{ip}:{PORT}"}
         for url in doors.values():
             measure(url, "tiny-llama")  # both doors once, unmeasured: the batch shapes are compiled
+        alternating = asyncio.run(alternating_requests(doors, 40 * rounds))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
@@ -119,7 +122,33 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
         running.stop()
     return {"rounds": rounds, "target": "tok/s ratio >= 0.95 and TTFT ratio <= 1.05",
             "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()},
-            "pairs": pairs}
+            "alternating_requests_c1": alternating, "pairs": pairs}
+
+
+async def alternating_requests(doors: dict[str, str], requests: int) -> dict:
+    """Concurrency 1, consecutive requests alternating between the doors with the same prompts: both
+    see the machine in the same state, request by request. Medians of TTFT and inter-token latency."""
+    settings = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
+    names = list(doors)
+    seen: dict[str, list] = {name: [] for name in names}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(httpx.AsyncClient(base_url=url)) for name, url in doors.items()}
+        for i in range(requests):
+            name = names[(i + i // 2) % 2]  # direct, runtime, runtime, direct, ...: neither always goes first
+            record = await one_request(clients[name], settings, i // 2)
+            if record.error is None:
+                seen[name].append(record)
+    def quantile(values: list[float], q: int) -> float:
+        return round(statistics.quantiles(values, n=4)[q - 1] * 1000, 2)
+
+    result = {name: {"requests": len(records),
+                     "ttft_p25_ms": quantile([r.ttft for r in records], 1),  # this VM's TTFT is bimodal
+                     "ttft_p50_ms": quantile([r.ttft for r in records], 2),
+                     "itl_p50_ms": quantile([r.inter_token_latency for r in records], 2)}
+              for name, records in seen.items()}
+    result["runtime_over_vllm"] = {key: round(result["runtime_in_front"][key] / result["vllm_direct"][key], 3)
+                                   for key in ("ttft_p25_ms", "ttft_p50_ms", "itl_p50_ms")}
+    return result
 
 
 def paired_ratios(pairs: list[dict]) -> dict:
@@ -176,6 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--skip-cold-build", action="store_true")
+    parser.add_argument("--parts", default="a,b,c", help="which of the parts to run, e.g. a or b,c")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     stack_up()
@@ -191,6 +221,8 @@ def main() -> None:
                                                                     "llama-76m": make_76m_llama(shared / "llama-76m")}),
                  "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
         for name, part in parts.items():
+            if name[0] not in args.parts.split(","):
+                continue
             result[name] = part()
             path = write_result("vllm_backend", result, args.out)  # each part kept as soon as it is measured
     print(yaml.safe_dump(result, sort_keys=False))
