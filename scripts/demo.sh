@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: `inferkiln demo` (pass --once to exit after the check).
+# The main job on the embedded default: `inferkiln demo` (pass --no-keep to stop the model afterwards).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
