@@ -136,8 +136,9 @@ async def forward(request: Request) -> Response:
             await response.aclose()
             rt.in_flight -= 1
         if generates and response.status_code == 200:
-            observed.usage = _counts((_json(content) or {}).get("usage"))
-            observed.finish = next((c.get("finish_reason") for c in (_json(content) or {}).get("choices") or []), None)
+            reply = _json(content) or {}
+            observed.usage = _counts(reply.get("usage"))
+            observed.finish = next((c.get("finish_reason") for c in reply.get("choices") or []), None)
             observed.record(rt.metrics)
         elif generates and response.status_code >= 500:
             observed.record(rt.metrics, "error")
