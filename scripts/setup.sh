@@ -39,3 +39,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
     touch "$stamp"
 fi
+# NVIDIA AIPerf, in a virtual environment of its own (its pins would move the factory's): the tests
+# load every report export with AIPerf's own models, as its tools read them.
+AIPERF_SPEC=aiperf==0.13.0
+if ! .venv-aiperf/bin/python -c "import aiperf" 2>/dev/null; then
+    echo "setup: installing $AIPERF_SPEC into .venv-aiperf" >&2
+    "$PYTHON" -m venv .venv-aiperf
+    .venv-aiperf/bin/pip install --quiet --disable-pip-version-check "$AIPERF_SPEC"
+fi

@@ -48,3 +48,23 @@ def metric(samples: dict, name: str, **labels) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     return sum(v for (n, lbls), v in samples.items()
                if n == name and all(dict(lbls).get(k) == val for k, val in labels.items()))
+
+
+AIPERF_PYTHON = Path(__file__).parents[1] / ".venv-aiperf" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def aiperf_read():
+    """What NVIDIA AIPerf's own code reads from report run directories (tests/aiperf_reader.py)."""
+    import json
+    import subprocess
+
+    assert AIPERF_PYTHON.exists(), "AIPerf's environment is missing: run scripts/setup.sh"
+
+    def read(*run_dirs: Path) -> dict[str, dict]:
+        done = subprocess.run([str(AIPERF_PYTHON), str(Path(__file__).parent / "aiperf_reader.py"),
+                               *map(str, run_dirs)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {Path(k).name: v for k, v in json.loads(done.stdout).items()}
+
+    return read

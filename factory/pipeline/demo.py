@@ -100,5 +100,5 @@ def _write_report(runner: Runner, report_dir: Path, timings: dict[str, float], f
         f"- chart package `{chart.path if chart else None}` ({chart.digest if chart else '-'})\n\n"
         f"## Tests ({tests.summary if tests else 'not run'})\n\n| gate | result | detail |\n|---|---|---|\n{rows}\n"
         f"Full report: `{tests.report_dir / 'summary.md' if tests else '-'}` (and `index.html`, plots, "
-        f"`profile_export_aiperf.json`)\n\n## Published\n{published}\n"
+        f"AIPerf exports per load level in `concurrency_N/`)\n\n## Published\n{published}\n"
         f"## Timings\n\n| step | seconds |\n|---|---|\n{timing_rows}")

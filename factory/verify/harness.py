@@ -56,13 +56,13 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
     if "nim" in config.groups:
         progress("metrics checks...")
         result["metrics"] = check_metrics(url, model)
-    performance, records = {}, {}
+    performance, runs = {}, {}
     for level in config.concurrency:
         progress(f"load at concurrency {level}...")
         settings = LoadSettings(model=model, prompt_tokens=config.prompt_tokens, output_tokens=config.output_tokens,
                                 requests=config.requests_per_level, concurrency=level, rate=config.rate)
         level_records, wall = asyncio.run(run_load(url, settings))
-        performance[level], records[level] = summarize(level_records, wall, config.slo), level_records
+        performance[level], runs[level] = summarize(level_records, wall, config.slo), (settings, level_records)
     result["performance"] = performance
     result["slo"] = slo_gates(performance, config.slo)
     report = TestReport.from_gates(
@@ -71,7 +71,7 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
         output_tokens_per_s={str(level): round(m["output_token_throughput"]["avg"], 1)
                              for level, m in performance.items()})
     result.update(passed=report.passed, summary=report.summary)
-    write_report(result, records, output)
+    write_report(result, runs, output)
     return report
 
 

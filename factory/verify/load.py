@@ -14,20 +14,31 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 
 
+# perf_counter seconds to epoch nanoseconds, for exports that carry wall-clock timestamps
+CLOCK_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+
+
+def epoch_ns(perf_seconds: float) -> int:
+    return CLOCK_OFFSET_NS + int(perf_seconds * 1e9)
+
+
 @dataclass
 class RequestRecord:
-    start: float
+    start: float  # time.perf_counter() seconds
+    index: int = 0
+    end: float | None = None
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)  # gaps between streamed chunks (a chunk may hold several tokens)
     latency: float | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    code: int | None = None  # the HTTP status of a failed request
 
     @property
     def inter_token_latency(self) -> float | None:
@@ -36,8 +47,11 @@ class RequestRecord:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
-    def to_json(self) -> dict:
-        return {**asdict(self), "inter_token_latency": self.inter_token_latency}
+    @property
+    def tokens_per_s_per_user(self) -> float | None:
+        """AIPerf's output_token_throughput_per_user: 1 / inter-token latency."""
+        itl = self.inter_token_latency
+        return 1 / itl if itl else None
 
 
 @dataclass(frozen=True)
@@ -64,11 +78,12 @@ async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: in
     body = {"model": settings.model, "prompt": synthetic_prompt(settings.prompt_tokens, settings.seed + index),
             "max_tokens": settings.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    record = RequestRecord(start=time.perf_counter())
+    record = RequestRecord(start=time.perf_counter(), index=index)
     last = None
     try:
         async with http.stream("POST", "/v1/completions", json=body, timeout=settings.timeout) as response:
             if response.status_code != 200:
+                record.code = response.status_code
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return record
             async for line in response.aiter_lines():
@@ -88,6 +103,8 @@ async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: in
         record.latency = time.perf_counter() - record.start
     except (httpx.HTTPError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        record.end = time.perf_counter()
     return record
 
 
@@ -117,10 +134,14 @@ async def run_load(base_url: str, settings: LoadSettings) -> tuple[list[RequestR
         return records, time.perf_counter() - start
 
 
+PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
+
+
 def describe(values: list[float], unit: str) -> dict:
-    """AIPerf's per-metric fields: unit, avg, min, max, p50, p90, p95, p99, std."""
+    """AIPerf's per-metric fields for a distribution: unit, avg, p1..p99, min, max, std (population),
+    count and sum; percentiles interpolated linearly, as AIPerf computes them."""
     if not values:
-        return {"unit": unit, **{k: None for k in ("avg", "min", "max", "p50", "p90", "p95", "p99", "std")}}
+        return {"unit": unit, **{k: None for k in ("avg", *(f"p{q}" for q in PERCENTILES), "min", "max", "std")}}
     ordered = sorted(values)
 
     def pct(q: float) -> float:
@@ -129,9 +150,9 @@ def describe(values: list[float], unit: str) -> dict:
         high = min(low + 1, len(ordered) - 1)
         return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
-    return {"unit": unit, "avg": statistics.fmean(ordered), "min": ordered[0], "max": ordered[-1],
-            "p50": pct(50), "p90": pct(90), "p95": pct(95), "p99": pct(99),
-            "std": statistics.pstdev(ordered) if len(ordered) > 1 else 0.0}
+    return {"unit": unit, "avg": statistics.fmean(ordered), **{f"p{q}": pct(q) for q in PERCENTILES},
+            "min": ordered[0], "max": ordered[-1], "std": statistics.pstdev(ordered) if len(ordered) > 1 else 0.0,
+            "count": len(ordered), "sum": math.fsum(ordered)}
 
 
 def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float | None]) -> dict:
@@ -153,9 +174,15 @@ def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float | 
         "request_latency": describe([r.latency * 1000 for r in ok if r.latency is not None], "ms"),
         "output_sequence_length": describe([r.output_tokens for r in ok], "tokens"),
         "input_sequence_length": describe([r.input_tokens for r in ok], "tokens"),
+        "output_token_throughput_per_user": describe([r.tokens_per_s_per_user for r in ok
+                                                      if r.tokens_per_s_per_user is not None], "tokens/sec/user"),
         "output_token_throughput": {"unit": "tokens/sec", "avg": output / wall if wall else 0.0},
         "request_throughput": {"unit": "requests/sec", "avg": len(ok) / wall if wall else 0.0},
         "goodput": {"unit": "requests/sec", "avg": len(good) / wall if wall else 0.0},
+        "good_request_count": {"unit": "requests", "avg": len(good)},
         "request_count": {"unit": "requests", "avg": len(ok)},
         "error_request_count": {"unit": "requests", "avg": len(records) - len(ok)},
+        "total_output_tokens": {"unit": "tokens", "avg": output},
+        "total_isl": {"unit": "tokens", "avg": sum(r.input_tokens for r in ok)},
+        "benchmark_duration": {"unit": "sec", "avg": wall},
     }

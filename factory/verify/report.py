@@ -1,4 +1,5 @@
-"""Report directory: JSON export, per-request JSONL, Markdown summary, PNG plots, one HTML page."""
+"""Report directory: per load level AIPerf's exports (factory/verify/aiperf_export.py), a sweep
+summary, a Markdown summary, PNG plots and one self-contained HTML page."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import base64
 import html
 import json
 from pathlib import Path
+
+from factory.verify.aiperf_export import write_level
 
 PLOTS = {
     "throughput_vs_concurrency.png": ("Output token throughput", [("output_token_throughput", "avg", "tokens/s")]),
@@ -79,15 +82,30 @@ def sweep_table(levels: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(result: dict, records: dict[int, list], out: Path) -> Path:
+def sweep_summary(result: dict, run_dirs: dict[int, Path]) -> dict:
+    """The levels side by side, each pointing at its AIPerf run directory."""
+    def row(level: int, m: dict) -> dict:
+        return {"concurrency": level, "run_dir": run_dirs[level].name,
+                "output_token_throughput": m["output_token_throughput"]["avg"],
+                "output_token_throughput_per_user_p50": m["output_token_throughput_per_user"]["p50"],
+                "request_throughput": m["request_throughput"]["avg"], "goodput": m["goodput"]["avg"],
+                "time_to_first_token_p50_ms": m["time_to_first_token"]["p50"],
+                "time_to_first_token_p99_ms": m["time_to_first_token"]["p99"],
+                "inter_token_latency_p50_ms": m["inter_token_latency"]["p50"],
+                "inter_token_latency_p99_ms": m["inter_token_latency"]["p99"],
+                "error_request_count": m["error_request_count"]["avg"]}
+
+    return {"model": result["model"], "url": result["url"],
+            "levels": [row(level, m) for level, m in sorted(result["performance"].items())]}
+
+
+def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
+    """`runs` maps each level to its LoadSettings and request records."""
     out.mkdir(parents=True, exist_ok=True)
     levels = {int(c): m for c, m in result["performance"].items()}
-    (out / "profile_export_aiperf.json").write_text(json.dumps(
-        {"endpoint": result["url"], "model": result["model"], "levels": {str(c): m for c, m in levels.items()}}, indent=2))
-    with open(out / "requests.jsonl", "w") as jsonl:
-        for c, level_records in records.items():
-            for record in level_records:
-                jsonl.write(json.dumps({"concurrency": c, **record.to_json()}) + "\n")
+    run_dirs = {level: write_level(out, result["url"], settings, levels[level], records)
+                for level, (settings, records) in runs.items()}
+    (out / "sweep_summary.json").write_text(json.dumps(sweep_summary(result, run_dirs), indent=2))
     plots = plot(levels, out) if levels else []
     rows = gate_rows(result)
     verdict = "PASSED" if result["passed"] else "FAILED"

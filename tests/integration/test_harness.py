@@ -95,24 +95,28 @@ def failed_ids(report) -> set[str]:
     return {gate.id for gate in report.failed_gates()}
 
 
-def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_model_dir, tmp_path):
+def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_model_dir, tmp_path, aiperf_read):
     result = run_harness(server.url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None), model_dir=tiny_model_dir,
                          progress=lambda _: None)
     assert result.passed, failed_ids(result)
     assert result.exact_match == 1.0 and set(result.output_tokens_per_s) == {"1", "4"}
     details = json.loads((tmp_path / "summary.json").read_text())
     assert details["passed"] and details["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
-    for name in ("summary.md", "summary.json", "index.html", "requests.jsonl", "profile_export_aiperf.json",
-                 "throughput_vs_concurrency.png", "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
+    for name in ("summary.md", "summary.json", "index.html", "sweep_summary.json", "throughput_vs_concurrency.png",
+                 "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
         assert (tmp_path / name).is_file(), name
-    export = json.loads((tmp_path / "profile_export_aiperf.json").read_text())["levels"]["4"]
+    sweep = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [(row["concurrency"], row["run_dir"]) for row in sweep["levels"]] == [(1, "concurrency_1"), (4, "concurrency_4")]
+    read = aiperf_read(tmp_path / "concurrency_1", tmp_path / "concurrency_4")
+    level = read["concurrency_4"]
+    assert (level["model"], level["concurrency"], level["records"], level["loaded_rows"]) == ("tiny-llama", 4, 8, 8)
     for metric in ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency"):
-        assert set(export[metric]) == {"unit", "avg", "min", "max", "p50", "p90", "p95", "p99", "std"}
-    assert export["output_sequence_length"]["avg"] == 16 and export["error_request_count"]["avg"] == 0
-    record = json.loads((tmp_path / "requests.jsonl").read_text().splitlines()[0])
-    expected_itl = (record["latency"] - record["ttft"]) / (record["output_tokens"] - 1)
-    assert record["inter_token_latency"] == pytest.approx(expected_itl)
-    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 16
+        assert {"unit", "avg", "min", "max", "p1", "p50", "p90", "p99", "std", "count"} <= set(level["metrics"][metric])
+    assert level["metrics"]["output_sequence_length"]["avg"] == 16 and level["metrics"]["error_request_count"]["avg"] == 0
+    assert level["metrics"]["output_token_throughput"]["avg"] == pytest.approx(sweep["levels"][1]["output_token_throughput"])
+    record = json.loads((tmp_path / "concurrency_4" / "profile_export.jsonl").read_text().splitlines()[0])["metrics"]
+    expected_itl = (record["request_latency"]["value"] - record["time_to_first_token"]["value"]) / 15
+    assert record["inter_token_latency"]["value"] == pytest.approx(expected_itl)
     assert "data:image/png;base64," in (tmp_path / "index.html").read_text()
     assert "| 4 |" in (tmp_path / "summary.md").read_text()
 
