@@ -220,11 +220,13 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
             raise InputError("--reference-url goes with --url")
         if spec is not None:
             return runner(spec, report_dir=output).test_report()
+        from factory.spec import Tests
         from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 
         report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
         groups = ("openai", "nim") if suite == "nim" else ("openai",)
-        config = HarnessConfig(groups=groups, reference_url=reference_url.rstrip("/") if reference_url else None)
+        config = HarnessConfig.from_tests(Tests(), groups=groups,
+                                          reference_url=reference_url.rstrip("/") if reference_url else None)
         return run_harness(url.rstrip("/"), model, config, report_dir, pairs=load_pairs(dataset),
                            model_dir=model_dir, progress=say)
 

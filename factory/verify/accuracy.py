@@ -50,8 +50,23 @@ def reference(model_dir: Path, prompts: list[str], tokens: int) -> list[list[tup
     return results
 
 
+def served_precision(url: str) -> str | None:
+    """The precision of the profile a NIM-contract server selected (/v1/metadata names it, /v1/manifest
+    lists it); None for a server that publishes neither."""
+    import yaml
+
+    try:
+        with httpx.Client(base_url=url, timeout=10) as http:
+            selected = http.get("/v1/metadata").json()["selectedModelProfileId"]
+            manifest = yaml.safe_load(http.get("/v1/manifest").json()["manifest_file"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return next((p["tags"]["precision"] for p in manifest.get("profiles", []) if p.get("id") == selected), None)
+
+
 def parity(url: str, model: str, model_dir: Path, prompts: list[str], precision: str = "fp32") -> dict:
-    tolerance = LOGPROB_TOLERANCE.get(precision, 0.1)
+    """Logprobs within the precision's tolerance of an fp32 reference (an unknown precision gets bf16's)."""
+    tolerance = LOGPROB_TOLERANCE.get(precision, LOGPROB_TOLERANCE["bf16"])
     expected = reference(model_dir, prompts, PARITY_TOKENS)
     mismatches, worst = [], 0.0
     with httpx.Client(base_url=url, timeout=120) as http:

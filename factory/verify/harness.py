@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.verify.accuracy import engine_parity, exact_match, parity
+from factory.spec import Tests
+from factory.verify.accuracy import engine_parity, exact_match, parity, served_precision
 from factory.verify.conformance import run_conformance
 from factory.verify.load import LoadSettings, run_load, summarize
 from factory.verify.metrics_check import check_metrics
@@ -18,16 +19,24 @@ from factory.verify.result import Gate, TestReport
 
 @dataclass
 class HarnessConfig:
-    min_exact_match: float = 0.9
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
-    requests_per_level: int = 32
+    """What the harness runs. Its settings come from a spec's `tests` (HarnessConfig.from_tests), with
+    the spec's defaults for `test --url`: one source, so both commands measure alike."""
+
+    min_exact_match: float
+    concurrency: list[int]
+    requests_per_level: int
     prompt_tokens: int = 32
     output_tokens: int = 32
     rate: float | None = None
     slo: dict[str, float | None] = field(default_factory=dict)
     groups: tuple[str, ...] = ("openai", "nim")
-    precision: str = "fp32"
+    precision: str | None = None  # the parity tolerance's; None: the served profile's (fp32 if not published)
     reference_url: str | None = None  # another server on the same weights: greedy outputs must match it
+
+    @classmethod
+    def from_tests(cls, tests: Tests, **overrides) -> HarnessConfig:
+        return cls(min_exact_match=tests.accuracy.min_exact_match, concurrency=list(tests.perf.concurrency),
+                   requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump(), **overrides)
 
 
 def load_pairs(dataset: Path | None) -> list[tuple[str, str]]:
@@ -48,7 +57,8 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
     progress(f"accuracy on {len(pairs)} prompts...")
     accuracy: dict = {"threshold": config.min_exact_match, "exact_match": exact_match(url, model, pairs)}
     if model_dir is not None:
-        accuracy["parity"] = parity(url, model, model_dir, [p for p, _ in pairs[:8]], config.precision)
+        precision = config.precision or served_precision(url) or "fp32"
+        accuracy["parity"] = parity(url, model, model_dir, [p for p, _ in pairs[:8]], precision)
     if config.reference_url:
         progress(f"greedy outputs against {config.reference_url}...")
         accuracy["engine_parity"] = engine_parity(url, config.reference_url, model, [p for p, _ in pairs])

@@ -19,12 +19,6 @@ from factory.verify.result import Gate, TestReport
 Progress = Callable[[str], None]
 
 
-def harness_config(loaded: LoadedSpec) -> HarnessConfig:
-    tests = loaded.spec.tests
-    return HarnessConfig(min_exact_match=tests.accuracy.min_exact_match, concurrency=tests.perf.concurrency,
-                         requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump())
-
-
 def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> TestReport:
     """Start the image like the pod and run the whole harness against it."""
     dataset = loaded.spec.tests.accuracy.dataset
@@ -41,7 +35,7 @@ def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Pat
         return report
     try:
         ready = time.perf_counter() - start
-        report = run_harness(running.url, loaded.spec.served_name, harness_config(loaded), report_dir, pairs=pairs,
+        report = run_harness(running.url, loaded.spec.served_name, HarnessConfig.from_tests(loaded.spec.tests), report_dir, pairs=pairs,
                              model_dir=loaded.local_source(), progress=progress)
     finally:
         (report_dir / "container.log").write_text(running.logs(500))

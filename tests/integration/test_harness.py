@@ -21,10 +21,13 @@ from typer.testing import CliRunner
 
 from factory.cli import app as cli
 from factory.verify.load import LoadSettings, run_load, summarize
+from factory.spec import Tests as SpecTests
+from factory.verify.accuracy import served_precision
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 from service.launcher import free_port
 
-QUICK = HarnessConfig(concurrency=[1, 4], requests_per_level=8, output_tokens=16, slo={"ttft_p99_ms": 5000})
+QUICK = HarnessConfig(min_exact_match=0.9, concurrency=[1, 4], requests_per_level=8, output_tokens=16,
+                      slo={"ttft_p99_ms": 5000})
 
 
 def broken_proxy(upstream: str, mode: str) -> FastAPI:
@@ -102,6 +105,7 @@ def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_
     assert result.exact_match == 1.0 and set(result.output_tokens_per_s) == {"1", "4"}
     details = json.loads((tmp_path / "summary.json").read_text())
     assert details["passed"] and details["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
+    assert details["accuracy"]["parity"]["tolerance"] == 1e-3  # fp32's: the served profile's precision
     for name in ("summary.md", "summary.json", "index.html", "sweep_summary.json", "throughput_vs_concurrency.png",
                  "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
         assert (tmp_path / name).is_file(), name
@@ -140,6 +144,16 @@ def test_test_command_exits_1_on_a_failed_gate(proxy, tmp_path):
     result = CliRunner().invoke(cli, ["test", "--url", url, "--model", "tiny-llama", "--output", str(tmp_path)])
     assert result.exit_code == 1 and "gates passed; failed: " in result.output
     assert (tmp_path / "summary.md").read_text().startswith("# Test report: tiny-llama")
+    sweep = json.loads((tmp_path / "sweep_summary.json").read_text())["levels"]
+    defaults = SpecTests().perf  # `test --url` measures as `test SPEC` does with a spec's defaults
+    assert [row["concurrency"] for row in sweep] == defaults.concurrency
+    level = json.loads((tmp_path / "concurrency_8" / "profile_export_aiperf.json").read_text())
+    assert level["input_config"]["phases"][-1]["requests"] == defaults.requests_per_level
+
+
+def test_the_parity_tolerance_is_the_served_profiles(server):
+    assert served_precision(server.url) == "fp32"  # the tiny model's CPU profile, named by /v1/metadata
+    assert served_precision("http://127.0.0.1:9") is None  # nothing listening: no NIM metadata
 
 
 def test_test_command_needs_a_spec_or_a_url():
