@@ -10,6 +10,7 @@ from pathlib import Path
 
 from factory.verify.aiperf_export import write_level
 
+PARETO_PLOT = "pareto_throughput_vs_interactivity.png"
 PLOTS = {
     "throughput_vs_concurrency.png": ("Output token throughput", [("output_token_throughput", "avg", "tokens/s")]),
     "ttft_vs_concurrency.png": ("Time to first token", [("time_to_first_token", q, "ms") for q in ("p50", "p90", "p99")]),
@@ -40,6 +41,39 @@ def plot(levels: dict[int, dict], out: Path) -> list[str]:
         plt.close(fig)
         names.append(name)
     return names
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (higher is better on each), by the first axis."""
+    front = [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
+    return sorted(front)
+
+
+def plot_pareto(levels: dict[int, dict], out: Path) -> str:
+    """Throughput per instance against interactivity (tok/s per user, median), one point per level:
+    how serving configurations are compared (InferenceMAX, AIPerf's Pareto plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = {c: (m["output_token_throughput_per_user"]["p50"], m["output_token_throughput"]["avg"])
+              for c, m in sorted(levels.items()) if m["output_token_throughput_per_user"]["p50"] is not None}
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    ax.scatter([x for x, _ in points.values()], [y for _, y in points.values()], marker="o")
+    for c, (x, y) in points.items():
+        ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front = pareto_front(list(points.values()))
+    ax.plot([x for x, _ in front], [y for _, y in front], linestyle="--", label="Pareto front")
+    ax.set_xlabel("tokens/s per user (p50)")
+    ax.set_ylabel("output tokens/s per instance")
+    ax.set_title("Throughput vs interactivity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / PARETO_PLOT)
+    plt.close(fig)
+    return PARETO_PLOT
 
 
 def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
@@ -106,7 +140,7 @@ def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
     run_dirs = {level: write_level(out, result["url"], settings, levels[level], records)
                 for level, (settings, records) in runs.items()}
     (out / "sweep_summary.json").write_text(json.dumps(sweep_summary(result, run_dirs), indent=2))
-    plots = plot(levels, out) if levels else []
+    plots = plot(levels, out) + [plot_pareto(levels, out)] if levels else []
     rows = gate_rows(result)
     verdict = "PASSED" if result["passed"] else "FAILED"
     table = "\n".join(f"| {gate} | {'pass' if ok else 'FAIL'} | {msg[:160].replace('|', '/')} |" for gate, ok, msg in rows)

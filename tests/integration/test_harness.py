@@ -107,7 +107,7 @@ def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_
     assert details["passed"] and details["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
     assert details["accuracy"]["parity"]["tolerance"] == 1e-3  # fp32's: the served profile's precision
     for name in ("summary.md", "summary.json", "index.html", "sweep_summary.json", "throughput_vs_concurrency.png",
-                 "ttft_vs_concurrency.png", "itl_vs_concurrency.png"):
+                 "ttft_vs_concurrency.png", "itl_vs_concurrency.png", "pareto_throughput_vs_interactivity.png"):
         assert (tmp_path / name).is_file(), name
     sweep = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [(row["concurrency"], row["run_dir"]) for row in sweep["levels"]] == [(1, "concurrency_1"), (4, "concurrency_4")]

@@ -50,3 +50,11 @@ def test_aiperf_reads_a_level_as_it_reads_its_own(tmp_path, aiperf_read):
     first = json.loads((run_dir / "profile_export.jsonl").read_text().splitlines()[0])
     assert first["metrics"]["time_to_first_token"] == {"value": pytest.approx(10.0), "unit": "ms"}
     assert first["metadata"]["request_end_ns"] - first["metadata"]["request_start_ns"] == pytest.approx(38e6, abs=1e3)
+
+
+def test_the_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
+    from factory.verify.report import pareto_front
+
+    # (tok/s per user, tok/s per instance) at concurrency 1, 8, 32, and one dominated run
+    points = [(250.0, 240.0), (120.0, 900.0), (30.0, 950.0), (100.0, 800.0)]
+    assert pareto_front(points) == [(30.0, 950.0), (120.0, 900.0), (250.0, 240.0)]
