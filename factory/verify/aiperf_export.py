@@ -44,10 +44,15 @@ def input_config(url: str, settings: LoadSettings) -> dict:
             "phases": phases}
 
 
+def error_details(code: int | None, message: str) -> dict:
+    """AIPerf's ErrorDetails of a failed request."""
+    return {"code": code, "type": "HTTPError" if code else "RequestError", "message": message}
+
+
 def error_summary(records: list[RequestRecord]) -> list[dict]:
     counts = Counter((r.code, r.error) for r in records if r.error is not None)
-    return [{"error_details": {"code": code, "type": "HTTPError" if code else "RequestError", "message": message},
-             "count": count} for (code, message), count in counts.items()]
+    return [{"error_details": error_details(code, message), "count": count}
+            for (code, message), count in counts.items()]
 
 
 def level_export(url: str, settings: LoadSettings, summary: dict, records: list[RequestRecord]) -> dict:
@@ -74,7 +79,7 @@ def record_line(record: RequestRecord) -> dict:
                          "request_end_ns": epoch_ns(end), "worker_id": WORKER, "record_processor_id": WORKER,
                          "benchmark_phase": "profiling"},
             "metrics": {name: value for name, value in metrics.items() if value is not None},
-            "error": None if record.error is None else error_summary([record])[0]["error_details"]}
+            "error": None if record.error is None else error_details(record.code, record.error)}
 
 
 def write_level(out: Path, url: str, settings: LoadSettings, summary: dict, records: list[RequestRecord]) -> Path:

@@ -18,28 +18,40 @@ PLOTS = {
 }
 
 
-def plot(levels: dict[int, dict], out: Path) -> list[str]:
+def _axes(title: str):
+    """A figure in the report's size, headless."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, ax, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
+def plot(levels: dict[int, dict], out: Path) -> list[str]:
     names = []
     xs = sorted(levels)
     for name, (title, series) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+        fig, ax = _axes(title)
         for metric, stat, unit in series:
             ax.plot(xs, [levels[x][metric][stat] or 0 for x in xs], marker="o", label=f"{stat} ({unit})")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name)
-        plt.close(fig)
-        names.append(name)
+        names.append(_save(fig, ax, out / name))
     return names
 
 
@@ -52,14 +64,9 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 def plot_pareto(levels: dict[int, dict], out: Path) -> str:
     """Throughput per instance against interactivity (tok/s per user, median), one point per level:
     how serving configurations are compared (InferenceMAX, AIPerf's Pareto plots)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     points = {c: (m["output_token_throughput_per_user"]["p50"], m["output_token_throughput"]["avg"])
               for c, m in sorted(levels.items()) if m["output_token_throughput_per_user"]["p50"] is not None}
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    fig, ax = _axes("Throughput vs interactivity")
     ax.scatter([x for x, _ in points.values()], [y for _, y in points.values()], marker="o")
     for c, (x, y) in points.items():
         ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -67,13 +74,7 @@ def plot_pareto(levels: dict[int, dict], out: Path) -> str:
     ax.plot([x for x, _ in front], [y for _, y in front], linestyle="--", label="Pareto front")
     ax.set_xlabel("tokens/s per user (p50)")
     ax.set_ylabel("output tokens/s per instance")
-    ax.set_title("Throughput vs interactivity")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / PARETO_PLOT)
-    plt.close(fig)
-    return PARETO_PLOT
+    return _save(fig, ax, out / PARETO_PLOT)
 
 
 def gate_rows(result: dict) -> list[tuple[str, bool, str]]:

@@ -35,8 +35,8 @@ def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Pat
         return report
     try:
         ready = time.perf_counter() - start
-        report = run_harness(running.url, loaded.spec.served_name, HarnessConfig.from_tests(loaded.spec.tests), report_dir, pairs=pairs,
-                             model_dir=loaded.local_source(), progress=progress)
+        report = run_harness(running.url, loaded.spec.served_name, HarnessConfig.from_tests(loaded.spec.tests),
+                             report_dir, pairs=pairs, model_dir=loaded.local_source(), progress=progress)
     finally:
         (report_dir / "container.log").write_text(running.logs(500))
         running.stop()

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from factory.cli import app as cli
-from factory.verify.load import LoadSettings, run_load, summarize
 from factory.spec import Tests as SpecTests
 from factory.verify.accuracy import served_precision
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
+from factory.verify.load import LoadSettings, run_load, summarize
 from service.launcher import free_port
 
 QUICK = HarnessConfig(min_exact_match=0.9, concurrency=[1, 4], requests_per_level=8, output_tokens=16,
