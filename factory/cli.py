@@ -197,6 +197,19 @@ def deploy(spec: Spec, kubeconfig: Annotated[Path, typer.Option(help="kubeconfig
     typer.echo(f"{result['release']} rolled out in {result['namespace']} (revision {result['revision']})")
 
 
+def task_option(value: str):
+    """`gsm8k:0.75:250` -> the spec's AccuracyTask."""
+    from factory.errors import InputError
+    from factory.spec import AccuracyTask
+
+    name, _, rest = value.partition(":")
+    minimum, _, limit = rest.partition(":")
+    try:  # pydantic's ValidationError is a ValueError
+        return AccuracyTask(name=name, min=float(minimum), limit=int(limit) if limit else None)
+    except ValueError:
+        raise InputError(f"--task {value}: expected NAME:MIN[:LIMIT] with MIN in [0, 1], e.g. gsm8k:0.75:250") from None
+
+
 @app.command()
 def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, start and test its image.")] = None,
          url: Annotated[str | None, typer.Option(help="Test any OpenAI-compatible server instead.")] = None,
@@ -204,6 +217,8 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
          output: Annotated[Path | None, typer.Option("--output", help="Report directory.")] = None,
          model_dir: Annotated[Path | None, typer.Option(help="With --url: local weights for the parity check.")] = None,
          dataset: Annotated[Path | None, typer.Option(help="JSONL of {prompt, completion} for exact match.")] = None,
+         task: Annotated[list[str] | None, typer.Option(
+             help="With --url: an lm-eval task and its minimum score, NAME:MIN[:LIMIT]; repeatable.")] = None,
          suite: Annotated[str, typer.Option(help="openai, or nim (adds health, metadata, manifest, metrics).")] = "nim",
          reference_url: Annotated[str | None, typer.Option(
              help="With --url: a server on the same weights (another engine's image); greedy outputs must match "
@@ -225,7 +240,8 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
 
         report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
         groups = ("openai", "nim") if suite == "nim" else ("openai",)
-        config = HarnessConfig.from_tests(Tests(), groups=groups,
+        tests = Tests(accuracy={"tasks": [task_option(t) for t in task or []]})
+        config = HarnessConfig.from_tests(tests, groups=groups,
                                           reference_url=reference_url.rstrip("/") if reference_url else None)
         return run_harness(url.rstrip("/"), model, config, report_dir, pairs=load_pairs(dataset),
                            model_dir=model_dir, progress=say)

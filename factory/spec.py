@@ -99,10 +99,24 @@ class ChartSpec(Strict):
     values: dict[str, Any] = Field(default_factory=dict)
 
 
+class AccuracyTask(Strict):
+    """An lm-evaluation-harness task (or group) and the score it must reach."""
+
+    name: str = Field(description="an lm-eval task (`lm-eval ls tasks`), or one under include_path")
+    min: float = Field(ge=0, le=1, description="the lowest passing score")
+    limit: int | None = Field(None, ge=1, description="score only the first N samples")
+    metric: str | None = Field(None, description="e.g. exact_match or exact_match,flexible-extract; "
+                                                 "default: the task's first")
+    num_fewshot: int | None = Field(None, ge=0)
+
+
 class AccuracyTests(Strict):
     min_exact_match: float = Field(0.9, ge=0, le=1)
-    dataset: str | None = Field(None, description="JSONL of {prompt, completion}, relative to the spec; "
-                                                  "default: the bundled tiny model's memorised lines")
+    dataset: str | None = Field(None, description="JSONL of {prompt, completion}, relative to the spec, for "
+                                                  "exact match; none: exact match is skipped, with a reason")
+    tasks: list[AccuracyTask] = Field(default_factory=list, description="lm-eval tasks; none: skipped, with a reason")
+    include_path: str | None = Field(None, description="a directory of lm-eval task YAMLs, relative to the spec")
+    endpoint: Literal["completions", "chat"] = Field("completions", description="the route lm-eval calls")
 
 
 class Slo(Strict):
@@ -116,9 +130,18 @@ class PerfTests(Strict):
     slo: Slo = Field(default_factory=Slo)
 
 
+class Regression(Strict):
+    """How far a release may fall behind the previous one (same profile and hardware) before publish refuses it."""
+
+    max_throughput_drop: float = Field(0.10, ge=0, le=1, description="fraction of output tok/s, at any level")
+    max_accuracy_drop: float | None = Field(None, ge=0, le=1, description="score points; none: only a "
+                                                                          "threshold crossed counts")
+
+
 class Tests(Strict):
     accuracy: AccuracyTests = Field(default_factory=AccuracyTests)
     perf: PerfTests = Field(default_factory=PerfTests)
+    regression: Regression = Field(default_factory=Regression)
 
 
 class ModelSpec(Strict):

@@ -50,14 +50,24 @@ def reference(model_dir: Path, prompts: list[str], tokens: int) -> list[list[tup
     return results
 
 
-def served_precision(url: str) -> str | None:
-    """The precision of the profile a NIM-contract server selected (/v1/metadata names it, /v1/manifest
-    lists it); None for a server that publishes neither."""
-    import yaml
-
+def served_profile(url: str) -> str | None:
+    """The id of the profile a NIM-contract server selected (/v1/metadata); None from other servers."""
     try:
         with httpx.Client(base_url=url, timeout=10) as http:
-            selected = http.get("/v1/metadata").json()["selectedModelProfileId"]
+            return str(http.get("/v1/metadata").json()["selectedModelProfileId"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def served_precision(url: str) -> str | None:
+    """The precision of the profile a NIM-contract server selected (/v1/manifest lists its tags); None
+    for a server that publishes neither."""
+    import yaml
+
+    if (selected := served_profile(url)) is None:
+        return None
+    try:
+        with httpx.Client(base_url=url, timeout=10) as http:
             manifest = yaml.safe_load(http.get("/v1/manifest").json()["manifest_file"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError, yaml.YAMLError):
         return None

@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.spec import Tests
-from factory.verify.accuracy import engine_parity, exact_match, parity, served_precision
+from factory.spec import AccuracyTask, Tests
+from factory.tinymodel import memorised_pairs
+from factory.verify.accuracy import engine_parity, exact_match, parity, served_precision, served_profile
 from factory.verify.conformance import run_conformance
+from factory.verify.lm_eval_tasks import run_tasks
 from factory.verify.load import LoadSettings, run_load, summarize
 from factory.verify.metrics_check import check_metrics
 from factory.verify.report import gate_rows, write_report
@@ -25,6 +27,9 @@ class HarnessConfig:
     min_exact_match: float
     concurrency: list[int]
     requests_per_level: int
+    tasks: list[AccuracyTask] = field(default_factory=list)
+    task_paths: list[Path] = field(default_factory=list)  # directories of the spec's own lm-eval tasks
+    endpoint: str = "completions"  # the route lm-eval calls
     prompt_tokens: int = 32
     output_tokens: int = 32
     rate: float | None = None
@@ -34,35 +39,56 @@ class HarnessConfig:
     reference_url: str | None = None  # another server on the same weights: greedy outputs must match it
 
     @classmethod
-    def from_tests(cls, tests: Tests, **overrides) -> HarnessConfig:
-        return cls(min_exact_match=tests.accuracy.min_exact_match, concurrency=list(tests.perf.concurrency),
-                   requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump(), **overrides)
+    def from_tests(cls, tests: Tests, base: Path | None = None, **overrides) -> HarnessConfig:
+        """`base`: the spec's directory, which its include_path is relative to."""
+        accuracy = tests.accuracy
+        paths = [(base or Path.cwd()) / accuracy.include_path] if accuracy.include_path else []
+        return cls(min_exact_match=accuracy.min_exact_match, concurrency=list(tests.perf.concurrency),
+                   requests_per_level=tests.perf.requests_per_level, slo=tests.perf.slo.model_dump(),
+                   tasks=list(accuracy.tasks), task_paths=paths, endpoint=accuracy.endpoint, **overrides)
 
 
-def load_pairs(dataset: Path | None) -> list[tuple[str, str]]:
-    """JSONL lines of {"prompt", "completion"}; by default the bundled tiny model's memorised lines."""
+def load_pairs(dataset: Path | None) -> list[tuple[str, str]] | None:
+    """JSONL lines of {"prompt", "completion"}; None without a dataset."""
     if dataset is None:
-        from factory.tinymodel import memorised_pairs
-
-        return memorised_pairs()
+        return None
     rows = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()]
     return [(row["prompt"], row["completion"]) for row in rows]
 
 
-def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pairs: list[tuple[str, str]],
+def run_accuracy(url: str, model: str, config: HarnessConfig, pairs: list[tuple[str, str]] | None,
+                 model_dir: Path | None, progress: Callable[[str], None]) -> dict:
+    """Exact match on a dataset, lm-eval tasks, parity with transformers and with another server.
+    Parity needs no known answers: without a dataset, its prompts are the bundled model's."""
+    accuracy: dict = {"threshold": config.min_exact_match}
+    if pairs is None:
+        accuracy["exact_match"] = {"skipped": "no dataset of known continuations (tests.accuracy.dataset, or "
+                                              "--dataset)"}
+    else:
+        progress(f"exact match on {len(pairs)} prompts...")
+        accuracy["exact_match"] = exact_match(url, model, pairs)
+    if config.tasks:
+        progress(f"lm-eval tasks {', '.join(t.name for t in config.tasks)}...")
+        accuracy["tasks"] = run_tasks(url, model, config.tasks, include_paths=config.task_paths,
+                                      endpoint=config.endpoint, tokenizer=model_dir)
+    else:
+        accuracy["tasks"] = {"skipped": "no lm-eval tasks named (tests.accuracy.tasks, or --task)"}
+    prompts = [p for p, _ in pairs or memorised_pairs()]
+    if model_dir is not None:
+        precision = config.precision or served_precision(url) or "fp32"
+        accuracy["parity"] = parity(url, model, model_dir, prompts[:8], precision)
+    if config.reference_url:
+        progress(f"greedy outputs against {config.reference_url}...")
+        accuracy["engine_parity"] = engine_parity(url, config.reference_url, model, prompts)
+    return accuracy
+
+
+def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pairs: list[tuple[str, str]] | None,
                 model_dir: Path | None, progress: Callable[[str], None]) -> TestReport:
     """Every check against `url`; the report directory gets the full results, the caller a TestReport."""
     progress("conformance checks...")
     result: dict = {"url": url, "model": model, "conformance": run_conformance(url, model, config.groups)}
-    progress(f"accuracy on {len(pairs)} prompts...")
-    accuracy: dict = {"threshold": config.min_exact_match, "exact_match": exact_match(url, model, pairs)}
-    if model_dir is not None:
-        precision = config.precision or served_precision(url) or "fp32"
-        accuracy["parity"] = parity(url, model, model_dir, [p for p, _ in pairs[:8]], precision)
-    if config.reference_url:
-        progress(f"greedy outputs against {config.reference_url}...")
-        accuracy["engine_parity"] = engine_parity(url, config.reference_url, model, [p for p, _ in pairs])
-    result["accuracy"] = accuracy
+    result["accuracy"] = accuracy = run_accuracy(url, model, config, pairs, model_dir, progress)
     if "nim" in config.groups:
         progress("metrics checks...")
         result["metrics"] = check_metrics(url, model)
@@ -74,13 +100,17 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
         level_records, wall = asyncio.run(run_load(url, settings))
         performance[level], runs[level] = summarize(level_records, wall, config.slo), (settings, level_records)
     result["performance"] = performance
-    result["slo"] = slo_gates(performance, config.slo)
+    result["slo"], result["slo_targets"] = slo_gates(performance, config.slo), config.slo
     report = TestReport.from_gates(
         [Gate(id=gate, passed=ok, detail=detail) for gate, ok, detail in gate_rows(result)], output, url=url,
-        exact_match=accuracy["exact_match"]["score"],
+        skipped={f"accuracy.{check}": accuracy[check]["skipped"] for check in ("exact_match", "tasks")
+                 if isinstance(accuracy[check], dict) and "skipped" in accuracy[check]},
+        profile=served_profile(url), exact_match=accuracy["exact_match"].get("score"),
+        accuracy={row["task"]: row["score"] for row in accuracy["tasks"] if "score" in row}
+        if isinstance(accuracy["tasks"], list) else {},
         output_tokens_per_s={str(level): round(m["output_token_throughput"]["avg"], 1)
                              for level, m in performance.items()})
-    result.update(passed=report.passed, summary=report.summary)
+    result.update(passed=report.passed, summary=report.summary, skipped=report.skipped)
     write_report(result, runs, output)
     return report
 

@@ -27,14 +27,19 @@ class TestReport(BaseModel):
     url: str | None = None
     image: str | None = Field(None, description="the image tested, when the harness started it")
     start_to_ready_s: float | None = None
+    skipped: dict[str, str] = Field(default_factory=dict, description="checks not run, and why")
+    profile: str | None = Field(None, description="the profile the server selected (/v1/metadata)")
+    hardware: str | None = Field(None, description="what the image ran on, when the harness started it")
     exact_match: float | None = None
+    accuracy: dict[str, float] = Field(default_factory=dict, description="score per lm-eval task")
     output_tokens_per_s: dict[str, float] = Field(default_factory=dict, description="per concurrency level")
 
     @classmethod
     def from_gates(cls, gates: list[Gate], report_dir: Path, **fields) -> TestReport:
         failed = [g.id for g in gates if not g.passed]
         summary = (f"{len(gates) - len(failed)}/{len(gates)} gates passed"
-                   + (f"; failed: {', '.join(failed[:8])}" if failed else ""))
+                   + (f"; failed: {', '.join(failed[:8])}" if failed else "")
+                   + (f"; skipped: {', '.join(fields['skipped'])}" if fields.get("skipped") else ""))
         return cls(passed=bool(gates) and not failed, summary=summary, gates=gates, report_dir=report_dir, **fields)
 
     def failed_gates(self) -> list[Gate]:

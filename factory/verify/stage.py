@@ -23,6 +23,7 @@ def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Pat
     """Start the image like the pod and run the whole harness against it."""
     dataset = loaded.spec.tests.accuracy.dataset
     pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
+    config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent)
     report_dir.mkdir(parents=True, exist_ok=True)
     progress(f"starting {image_reference}...")
     start = time.perf_counter()
@@ -35,12 +36,27 @@ def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Pat
         return report
     try:
         ready = time.perf_counter() - start
-        report = run_harness(running.url, loaded.spec.served_name, HarnessConfig.from_tests(loaded.spec.tests),
-                             report_dir, pairs=pairs, model_dir=loaded.local_source(), progress=progress)
+        report = run_harness(running.url, loaded.spec.served_name, config, report_dir, pairs=pairs,
+                             model_dir=loaded.local_source(), progress=progress)
     finally:
         (report_dir / "container.log").write_text(running.logs(500))
         running.stop()
-    return report.model_copy(update={"image": image_reference, "start_to_ready_s": round(ready, 2)})
+    return report.model_copy(update={"image": image_reference, "start_to_ready_s": round(ready, 2),
+                                     "hardware": host_hardware()})
+
+
+def host_hardware() -> str:
+    """The machine the image ran on, as releases are compared: its CPU, core count and GPUs."""
+    import os
+    import platform
+
+    from service.profiles import detect_hardware
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    return f"{names[0] if names else platform.processor() or platform.machine()} x{os.cpu_count()}; " \
+           f"{detect_hardware().describe()}"
 
 
 def _recorded_path(image_id: str) -> Path:

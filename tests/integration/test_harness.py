@@ -20,14 +20,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from factory.cli import app as cli
+from factory.spec import AccuracyTask
 from factory.spec import Tests as SpecTests
 from factory.verify.accuracy import served_precision
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
+from factory.verify.lm_eval_tasks import BUNDLED_TASKS
 from factory.verify.load import LoadSettings, run_load, summarize
 from service.launcher import free_port
 
 QUICK = HarnessConfig(min_exact_match=0.9, concurrency=[1, 4], requests_per_level=8, output_tokens=16,
-                      slo={"ttft_p99_ms": 5000})
+                      slo={"ttft_p99_ms": 5000}, tasks=[AccuracyTask(name="inferkiln_tiny_lines", min=0.9, limit=16)])
+LINES = BUNDLED_TASKS / "inferkiln_tiny_lines.jsonl"  # the bundled task's data is also an exact-match dataset
 
 
 def broken_proxy(upstream: str, mode: str) -> FastAPI:
@@ -99,15 +102,17 @@ def failed_ids(report) -> set[str]:
 
 
 def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_model_dir, tmp_path, aiperf_read):
-    result = run_harness(server.url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None), model_dir=tiny_model_dir,
+    result = run_harness(server.url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(LINES), model_dir=tiny_model_dir,
                          progress=lambda _: None)
     assert result.passed, failed_ids(result)
-    assert result.exact_match == 1.0 and set(result.output_tokens_per_s) == {"1", "4"}
+    assert result.exact_match == 1.0 and result.accuracy == {"inferkiln_tiny_lines": 1.0} and not result.skipped
+    assert set(result.output_tokens_per_s) == {"1", "4"} and result.profile is not None
     details = json.loads((tmp_path / "summary.json").read_text())
     assert details["passed"] and details["accuracy"]["parity"]["max_logprob_diff"] < 1e-3
     assert details["accuracy"]["parity"]["tolerance"] == 1e-3  # fp32's: the served profile's precision
     for name in ("summary.md", "summary.json", "index.html", "sweep_summary.json", "throughput_vs_concurrency.png",
-                 "ttft_vs_concurrency.png", "itl_vs_concurrency.png", "pareto_throughput_vs_interactivity.png"):
+                 "ttft_vs_concurrency.png", "itl_vs_concurrency.png", "pareto_throughput_vs_interactivity.png", "ttft_distribution.png", "itl_distribution.png",
+                 "goodput_vs_slo.png"):
         assert (tmp_path / name).is_file(), name
     sweep = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [(row["concurrency"], row["run_dir"]) for row in sweep["levels"]] == [(1, "concurrency_1"), (4, "concurrency_4")]
@@ -121,18 +126,18 @@ def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_
     record = json.loads((tmp_path / "concurrency_4" / "profile_export.jsonl").read_text().splitlines()[0])["metrics"]
     expected_itl = (record["request_latency"]["value"] - record["time_to_first_token"]["value"]) / 15
     assert record["inter_token_latency"]["value"] == pytest.approx(expected_itl)
-    assert "data:image/png;base64," in (tmp_path / "index.html").read_text()
+    assert (tmp_path / "index.html").read_text().count("data:image/png;base64,") == 7
     assert "| 4 |" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("mode,expected", [
     ("no_done", {"chat.stream.framing", "completions.stream.usage"}),
     ("miscount", {"usage.exact_length", "logprobs.chat", "metrics.generation_tokens_total"}),
-    ("reverse", {"accuracy.exact_match", "accuracy.parity", "stop.strings"}),
+    ("reverse", {"accuracy.exact_match", "accuracy.task.inferkiln_tiny_lines", "accuracy.parity", "stop.strings"}),
 ])
 def test_wrong_servers_fail_the_right_checks(proxy, tiny_model_dir, tmp_path, mode, expected):
     url = proxy(mode)
-    result = run_harness(url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(None)[:16], model_dir=tiny_model_dir,
+    result = run_harness(url, "tiny-llama", QUICK, tmp_path, pairs=load_pairs(LINES)[:16], model_dir=tiny_model_dir,
                          progress=lambda _: None)
     assert not result.passed
     assert expected <= failed_ids(result), failed_ids(result)
@@ -143,6 +148,7 @@ def test_test_command_exits_1_on_a_failed_gate(proxy, tmp_path):
     url = proxy("no_done")
     result = CliRunner().invoke(cli, ["test", "--url", url, "--model", "tiny-llama", "--output", str(tmp_path)])
     assert result.exit_code == 1 and "gates passed; failed: " in result.output
+    assert "skipped: accuracy.exact_match, accuracy.tasks" in result.output  # no dataset, no tasks: not failed
     assert (tmp_path / "summary.md").read_text().startswith("# Test report: tiny-llama")
     sweep = json.loads((tmp_path / "sweep_summary.json").read_text())["levels"]
     defaults = SpecTests().perf  # `test --url` measures as `test SPEC` does with a spec's defaults

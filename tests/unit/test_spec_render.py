@@ -55,6 +55,8 @@ def test_sample_spec_is_valid(tiny_model_dir, tmp_path):
     ({"profiles.0.tp": 0}, "profiles.0.tp", "greater than or equal to 1"),
     ({"resources.memory": "lots"}, "resources.memory", "Kubernetes quantity"),
     ({"tests.accuracy.min_exact_match": 2}, "tests.accuracy.min_exact_match", "less than or equal to 1"),
+    ({"tests.accuracy.tasks": [{"name": "gsm8k", "min": 1.5}]}, "tests.accuracy.tasks.0.min", "less than or equal to 1"),
+    ({"tests.accuracy.tasks": [{"name": "gsm8k"}]}, "tests.accuracy.tasks.0.min", "required"),
     ({"metadata.colour": "blue"}, "metadata.colour", "unknown field"),
     ({"profiles": None}, "profiles", "required"),
 ])
