@@ -31,7 +31,33 @@ class TestSummary(BaseModel):
     passed: bool
     summary: str
     exact_match: float | None = None
+    accuracy: dict[str, float] = Field(default_factory=dict, description="score per lm-eval task")
     output_tokens_per_s: dict[str, float] = Field(default_factory=dict)
+    profile: str | None = Field(None, description="the profile served while tested")
+    hardware: str | None = Field(None, description="what it was tested on")
+
+
+class RegressionCheck(BaseModel):
+    check: str  # "output_tokens_per_s@8", "accuracy.gsm8k"
+    previous: float
+    new: float | None
+    limit: float  # the lowest passing value
+    passed: bool
+
+
+class Comparison(BaseModel):
+    """A release against the previous one (factory/release/regression.py)."""
+
+    previous: str | None  # "name version (time)" compared with; None: nothing comparable was published
+    rows: list[RegressionCheck] = []
+
+    @property
+    def passed(self) -> bool:
+        return all(row.passed for row in self.rows)
+
+    def failures(self) -> list[str]:
+        return [f"{r.check} {r.new if r.new is None else round(r.new, 3)} < {round(r.limit, 3)} "
+                f"(previous {round(r.previous, 3)})" for r in self.rows if not r.passed]
 
 
 class Release(BaseModel):
@@ -41,6 +67,7 @@ class Release(BaseModel):
     chart: Artifact
     sbom: Artifact | None = Field(None, description="the runtime image's CycloneDX SBOM, referring to the image")
     tests: TestSummary
+    regression: Comparison | None = Field(None, description="against the previous release, when one compared")
     forced: bool = False
     time: str
 

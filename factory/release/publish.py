@@ -17,6 +17,7 @@ from factory.errors import CheckFailed
 from factory.image.build import BuiltImages
 from factory.image.flavors import Flavor
 from factory.release import catalog
+from factory.release.regression import check_regression, write_comparison
 from factory.release.sbom import attach_sbom, make_sbom
 from factory.spec import LoadedSpec
 from factory.verify.result import TestReport
@@ -53,17 +54,27 @@ def push_image(client, local_reference: str, registry: str, progress: Progress) 
 
 def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, chart: ChartPackage, tests: TestReport,
             registry: str, progress: Progress, force: bool = False) -> catalog.Release:
-    """Push image, SBOM and chart; record the release. Refuses a build whose gates failed unless forced."""
+    """Push image, SBOM and chart; record the release. Refuses, unless forced, a build whose gates failed
+    or that regresses against the previous release."""
+    spec = loaded.spec
+    summary = catalog.TestSummary(passed=tests.passed, summary=tests.summary, exact_match=tests.exact_match,
+                                  accuracy=tests.accuracy, output_tokens_per_s=tests.output_tokens_per_s,
+                                  profile=tests.profile, hardware=tests.hardware)
+    comparison = check_regression(catalog.releases(), spec.metadata.name, spec.metadata.version, summary, spec.tests)
+    write_comparison(tests.report_dir, comparison)
     if not tests.passed and not force:
         raise PublishError(f"refusing to publish {images.model.reference}: its test gates failed "
                            f"({tests.summary}); --force publishes anyway and is recorded")
+    if not comparison.passed and not force:
+        raise PublishError(f"refusing to publish {images.model.reference}: it regresses against "
+                           f"{comparison.previous}: {'; '.join(comparison.failures())}; --force publishes anyway "
+                           "and is recorded")
     wanted = remote_reference(images.model.reference, registry)
     if chart.image_reference != wanted:
         raise PublishError(f"the chart package {chart.path.name} names the image {chart.image_reference}, "
                            f"not the one being published ({wanted})")
     if not chart.path.is_file() or file_digest(chart.path) != chart.digest:
         raise PublishError(f"the chart package {chart.path} changed since the chart stage validated it")
-    spec = loaded.spec
     progress(f"pushing {images.model.reference} to {registry}...")
     image = push_image(client, images.model.reference, registry, progress)
     progress("pushing the runtime's SBOM...")
@@ -82,8 +93,8 @@ def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, cha
     release = catalog.Release(
         name=spec.metadata.name, version=spec.metadata.version, image=image, sbom=sbom,
         chart=catalog.Artifact(reference=reference, digest=digest),
-        tests=catalog.TestSummary(passed=tests.passed, summary=tests.summary, exact_match=tests.exact_match,
-                                  output_tokens_per_s=tests.output_tokens_per_s),
-        forced=force and not tests.passed, time=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        tests=summary, regression=comparison if comparison.previous else None,
+        forced=force and not (tests.passed and comparison.passed),
+        time=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     catalog.record(release)
     return release

@@ -276,6 +276,37 @@ def test_publish_refuses_failed_gates_unless_forced(client, runner, built, tmp_p
     assert release.forced and catalog.releases()[-1].forced
 
 
+def measured_report(report_dir: Path, tok_s: dict[str, float]) -> TestReport:
+    """A passing test run's numbers, as the test stage records them (profile and hardware included)."""
+    report_dir.mkdir(parents=True)
+    (report_dir / "summary.md").write_text("# Test report\n")
+    (report_dir / "index.html").write_text("<h1>report</h1>")
+    return TestReport.from_gates([Gate(id="chat.basic", passed=True, detail="")], report_dir, profile="p1",
+                                 hardware="a CPU x2; no GPU (CPU only)", output_tokens_per_s=tok_s)
+
+
+def test_publish_refuses_a_regression_against_the_previous_release_unless_forced(client, runner, built, tmp_path):
+    loaded, flavor, chart = runner.validate(), runner.plan().flavor, runner.chart()
+
+    def version(text: str):
+        return loaded.model_copy(update={"spec": loaded.spec.model_copy(update={
+            "metadata": loaded.spec.metadata.model_copy(update={"version": text})})})
+
+    first = publish(client, version("1.0.0"), flavor, built, chart, measured_report(tmp_path / "a", {"1": 100.0}),
+                    REGISTRY, progress)
+    assert first.regression is None and not first.forced
+    before = catalog.releases()
+    slower = (client, version("1.1.0"), flavor, built, chart, measured_report(tmp_path / "b", {"1": 50.0}), REGISTRY,
+              progress)
+    with pytest.raises(PublishError, match=r"regresses against tiny-test 1\.0\.0 .*output_tokens_per_s@1 50\.0 < 90\.0"):
+        publish(*slower)
+    assert catalog.releases() == before
+    assert "| output_tokens_per_s@1 | 100.000 | 50.000 | 90.000 | FAIL |" in (tmp_path / "b" / "summary.md").read_text()
+    forced = publish(*slower, force=True)
+    assert forced.forced and not forced.regression.passed and catalog.releases()[-1].forced
+    assert forced.regression.previous.startswith("tiny-test 1.0.0")
+
+
 def test_push_to_a_registry_that_is_down_leaves_the_catalog_unchanged(spec_path, built, passing_tests, tmp_path):
     before = catalog.catalog_path().read_bytes() if catalog.catalog_path().exists() else None
     down = f"127.0.0.1:{free_port()}"
