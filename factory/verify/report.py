@@ -77,13 +77,59 @@ def plot_pareto(levels: dict[int, dict], out: Path) -> str:
     return _save(fig, ax, out / PARETO_PLOT)
 
 
+def ecdf(values: list[float]) -> tuple[list[float], list[float]]:
+    """The empirical distribution: sorted values against the fraction of requests at or below each."""
+    ordered = sorted(values)
+    return ordered, [(i + 1) / len(ordered) for i in range(len(ordered))]
+
+
+DISTRIBUTIONS = {"ttft_distribution.png": ("Time to first token, per level", "ttft_p99_ms",
+                                           lambda r: r.ttft * 1000 if r.ttft is not None else None),
+                 "itl_distribution.png": ("Inter-token latency, per level", "itl_p99_ms",
+                                          lambda r: r.inter_token_latency * 1000 if r.inter_token_latency else None)}
+
+
+def plot_distributions(runs: dict[int, tuple], slo: dict[str, float | None], out: Path) -> list[str]:
+    """Each level's requests as a cumulative distribution (AIPerf's per-request view), with the SLO's limit."""
+    names = []
+    for name, (title, limit_name, value) in DISTRIBUTIONS.items():
+        fig, ax = _axes(title)
+        for level, (_, records) in sorted(runs.items()):
+            values = [v for r in records if r.error is None and (v := value(r)) is not None]
+            if values:
+                ax.step(*ecdf(values), where="post", label=f"c={level}")
+        if slo.get(limit_name) is not None:
+            ax.axvline(slo[limit_name], color="#b00", linestyle="--", label=f"SLO {slo[limit_name]:g} ms")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        names.append(_save(fig, ax, out / name))
+    return names
+
+
+def plot_goodput(levels: dict[int, dict], slo: dict[str, float | None], out: Path) -> str:
+    """Requests/s against the requests/s that met every SLO, per level."""
+    targets = ", ".join(f"{k.removesuffix('_ms')} ≤ {v:g} ms" for k, v in slo.items() if v is not None)
+    fig, ax = _axes(f"Goodput against the SLOs ({targets or 'none set'})")
+    xs = sorted(levels)
+    positions = range(len(xs))
+    ax.bar([x - 0.2 for x in positions], [levels[c]["request_throughput"]["avg"] for c in xs], 0.4, label="requests/s")
+    ax.bar([x + 0.2 for x in positions], [levels[c]["goodput"]["avg"] for c in xs], 0.4, label="goodput")
+    ax.set_xticks(list(positions), [str(c) for c in xs])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("requests/s")
+    return _save(fig, ax, out / "goodput_vs_slo.png")
+
+
 def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
     rows = [(c["id"], c["passed"], c["message"]) for c in result["conformance"]]
     acc = result.get("accuracy", {})
-    if "exact_match" in acc:
+    if "score" in acc.get("exact_match", {}):
         em = acc["exact_match"]
         rows.append(("accuracy.exact_match", em["score"] >= acc["threshold"],
                      f"{em['score']:.3f} (threshold {acc['threshold']})"))
+    for task in acc.get("tasks") if isinstance(acc.get("tasks"), list) else []:
+        rows.append((f"accuracy.task.{task['task']}", task.get("passed", False), task.get("error") or
+                     f"{task['metric']} {task['score']:.3f} (min {task['min']}, {task['samples']} samples)"))
     if "parity" in acc:
         p = acc["parity"]
         rows.append(("accuracy.parity", p["passed"],
@@ -141,12 +187,17 @@ def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
     run_dirs = {level: write_level(out, result["url"], settings, levels[level], records)
                 for level, (settings, records) in runs.items()}
     (out / "sweep_summary.json").write_text(json.dumps(sweep_summary(result, run_dirs), indent=2))
-    plots = plot(levels, out) + [plot_pareto(levels, out)] if levels else []
+    slo = result.get("slo_targets", {})
+    plots = (plot(levels, out) + [plot_pareto(levels, out)] + plot_distributions(runs, slo, out)
+             + [plot_goodput(levels, slo, out)]) if levels else []
     rows = gate_rows(result)
     verdict = "PASSED" if result["passed"] else "FAILED"
     table = "\n".join(f"| {gate} | {'pass' if ok else 'FAIL'} | {msg[:160].replace('|', '/')} |" for gate, ok, msg in rows)
+    skipped = result.get("skipped", {})
     markdown = (f"# Test report: {result['model']} at {result['url']} — {verdict}\n\n"
-                f"| gate | result | detail |\n|---|---|---|\n{table}\n\n## Performance\n\n{sweep_table(levels)}\n\n"
+                f"| gate | result | detail |\n|---|---|---|\n{table}\n"
+                + "".join(f"| {check} | skipped | {reason} |\n" for check, reason in skipped.items())
+                + f"\n## Performance\n\n{sweep_table(levels)}\n\n"
                 + "".join(f"![{p}]({p})\n" for p in plots))
     (out / "summary.md").write_text(markdown)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
@@ -154,6 +205,8 @@ def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
                      for p in plots)
     gate_html = "".join(f"<tr class={'ok' if ok else 'bad'}><td>{html.escape(g)}</td><td>{'pass' if ok else 'FAIL'}</td>"
                         f"<td>{html.escape(m[:300])}</td></tr>" for g, ok, m in rows)
+    gate_html += "".join(f"<tr><td>{html.escape(check)}</td><td>skipped</td><td>{html.escape(reason)}</td></tr>"
+                         for check, reason in skipped.items())
     (out / "index.html").write_text(
         "<!doctype html><meta charset=utf-8><title>inferkiln test report</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"

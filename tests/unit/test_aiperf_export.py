@@ -58,3 +58,9 @@ def test_the_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
     # (tok/s per user, tok/s per instance) at concurrency 1, 8, 32, and one dominated run
     points = [(250.0, 240.0), (120.0, 900.0), (30.0, 950.0), (100.0, 800.0)]
     assert pareto_front(points) == [(30.0, 950.0), (120.0, 900.0), (250.0, 240.0)]
+
+
+def test_the_distribution_plots_step_through_every_request():
+    from factory.verify.report import ecdf
+
+    assert ecdf([30.0, 10.0, 20.0, 10.0]) == ([10.0, 10.0, 20.0, 30.0], [0.25, 0.5, 0.75, 1.0])
