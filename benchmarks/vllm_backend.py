@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
 import statistics
 import subprocess
 import sys
@@ -85,11 +84,6 @@ def start(client, image: str, model_dir: Path | None = None, env: dict[str, str]
     return running, time.perf_counter() - began
 
 
-def child_port(running: RunningModel) -> int:
-    """The vLLM child's port, from the command line the runtime logs when it starts it."""
-    return int(re.findall(r"starting vLLM: .*?--port (\d+)", running.logs(400))[-1])
-
-
 def measure(url: str, model: str, levels=LEVELS, output_tokens: int = 64, per_stream: int = 4) -> dict:
     result = {}
     for level in levels:
@@ -109,7 +103,7 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
     running, _ = start(client, vllm_image, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"})
     try:
         ip = running.container.attrs["NetworkSettings"]["IPAddress"]
-        doors = {"vllm_direct": f"http://{ip}:{child_port(running)}", "runtime_in_front": f"http://{ip}:{PORT}"}
+        doors = {"vllm_direct": running.engine_url(), "runtime_in_front": f"http://{ip}:{PORT}"}
         for url in doors.values():
             measure(url, "tiny-llama")  # both doors once, unmeasured: the batch shapes are compiled
         alternating = asyncio.run(alternating_requests(doors, 40 * rounds))

@@ -28,6 +28,15 @@ class RunningModel:
     def logs(self, tail: int = 60) -> str:
         return self.container.logs(tail=tail).decode(errors="replace")
 
+    def engine_url(self) -> str:
+        """vLLM's own server inside the container, from the command line the runtime logs when it starts
+        it; reachable where NIM_PASSTHROUGH_ARGS gave it `--host 0.0.0.0` (a second door, for comparisons)."""
+        import re
+
+        port = re.findall(r"starting vLLM: .*?--port (\d+)", self.logs(400))[-1]
+        self.container.reload()
+        return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{port}"
+
     def stop(self) -> None:
         try:
             self.container.stop(timeout=10)

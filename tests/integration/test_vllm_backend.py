@@ -71,7 +71,10 @@ def vllm_image(vllm_runner, docker_client) -> str:
 
 @pytest.fixture(scope="module")
 def served(docker_client, vllm_image):
-    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S)
+    """The runtime in front of vLLM; vLLM listens on the container's network too (NIM_PASSTHROUGH_ARGS),
+    so the harness can also be run against vLLM's own server, which no one here wrote."""
+    running = start_model(docker_client, vllm_image, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"},
+                          timeout=START_TIMEOUT_S)
     yield running
     running.stop()
 
@@ -228,6 +231,25 @@ def test_greedy_outputs_equal_the_torch_images_token_for_token(docker_client, se
     assert gates["accuracy.engine_parity"]["passed"], gates["accuracy.engine_parity"]
     assert "64/64 greedy outputs identical" in gates["accuracy.engine_parity"]["detail"]
     assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
+
+
+def test_the_harness_passes_vllms_own_server(served, tiny_model_dir, tmp_path):
+    """`inferkiln test --url` against vLLM's OpenAI server: every check passes, parity with transformers
+    and the bundled lm-eval task included; exact match without a dataset is skipped with its reason."""
+    url = served.engine_url()
+    assert not httpx.get(f"{url}/v1/metadata").is_success  # vLLM's server, not the runtime
+    result = subprocess.run(
+        [sys.executable, "-m", "factory.cli", "test", "--url", url, "--model", MODEL, "--suite", "openai",
+         "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9", "--output", str(tmp_path),
+         "--json"], capture_output=True, text=True, timeout=1200)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
+    gates = {gate["id"] for gate in report["gates"]}
+    assert {"completions.stream.usage", "chat.stream.framing", "accuracy.parity",
+            "accuracy.task.inferkiln_tiny_lines"} <= gates
+    assert report["accuracy"] == {"inferkiln_tiny_lines": 1.0}
+    assert report["skipped"] == {"accuracy.exact_match": "no dataset of known continuations "
+                                                          "(tests.accuracy.dataset, or --dataset)"}
 
 
 def test_the_vllm_spec_passes_its_tests_runs_as_a_chart_and_is_published(home, vllm_runner, vllm_image, tmp_path):
