@@ -33,7 +33,8 @@ class RunningModel:
         it; reachable where NIM_PASSTHROUGH_ARGS gave it `--host 0.0.0.0` (a second door, for comparisons)."""
         import re
 
-        port = re.findall(r"starting vLLM: .*?--port (\d+)", self.logs(400))[-1]
+        logs = self.container.logs().decode(errors="replace")  # all of it: the line comes early
+        port = re.findall(r"starting vLLM: .*?--port (\d+)", logs)[-1]
         self.container.reload()
         return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{port}"
 

@@ -60,10 +60,10 @@ def run_accuracy(url: str, model: str, config: HarnessConfig, pairs: list[tuple[
                  model_dir: Path | None, progress: Callable[[str], None]) -> dict:
     """Exact match on a dataset, lm-eval tasks, parity with transformers and with another server.
     Parity needs no known answers: without a dataset, its prompts are the bundled model's."""
-    accuracy: dict = {"threshold": config.min_exact_match}
+    accuracy: dict = {"threshold": config.min_exact_match, "tasks": [], "skipped": {}}
     if pairs is None:
-        accuracy["exact_match"] = {"skipped": "no dataset of known continuations (tests.accuracy.dataset, or "
-                                              "--dataset)"}
+        accuracy["skipped"]["accuracy.exact_match"] = ("no dataset of known continuations "
+                                                       "(tests.accuracy.dataset, or --dataset)")
     else:
         progress(f"exact match on {len(pairs)} prompts...")
         accuracy["exact_match"] = exact_match(url, model, pairs)
@@ -72,7 +72,7 @@ def run_accuracy(url: str, model: str, config: HarnessConfig, pairs: list[tuple[
         accuracy["tasks"] = run_tasks(url, model, config.tasks, include_paths=config.task_paths,
                                       endpoint=config.endpoint, tokenizer=model_dir)
     else:
-        accuracy["tasks"] = {"skipped": "no lm-eval tasks named (tests.accuracy.tasks, or --task)"}
+        accuracy["skipped"]["accuracy.tasks"] = "no lm-eval tasks named (tests.accuracy.tasks, or --task)"
     prompts = [p for p, _ in pairs or memorised_pairs()]
     if model_dir is not None:
         precision = config.precision or served_precision(url) or "fp32"
@@ -103,11 +103,9 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
     result["slo"], result["slo_targets"] = slo_gates(performance, config.slo), config.slo
     report = TestReport.from_gates(
         [Gate(id=gate, passed=ok, detail=detail) for gate, ok, detail in gate_rows(result)], output, url=url,
-        skipped={f"accuracy.{check}": accuracy[check]["skipped"] for check in ("exact_match", "tasks")
-                 if isinstance(accuracy[check], dict) and "skipped" in accuracy[check]},
-        profile=served_profile(url), exact_match=accuracy["exact_match"].get("score"),
-        accuracy={row["task"]: row["score"] for row in accuracy["tasks"] if "score" in row}
-        if isinstance(accuracy["tasks"], list) else {},
+        skipped=accuracy["skipped"], profile=served_profile(url),
+        exact_match=accuracy["exact_match"]["score"] if "exact_match" in accuracy else None,
+        accuracy={row["task"]: row["score"] for row in accuracy["tasks"] if "score" in row},
         output_tokens_per_s={str(level): round(m["output_token_throughput"]["avg"], 1)
                              for level, m in performance.items()})
     result.update(passed=report.passed, summary=report.summary, skipped=report.skipped)

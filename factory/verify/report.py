@@ -123,11 +123,11 @@ def plot_goodput(levels: dict[int, dict], slo: dict[str, float | None], out: Pat
 def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
     rows = [(c["id"], c["passed"], c["message"]) for c in result["conformance"]]
     acc = result.get("accuracy", {})
-    if "score" in acc.get("exact_match", {}):
+    if "exact_match" in acc:
         em = acc["exact_match"]
         rows.append(("accuracy.exact_match", em["score"] >= acc["threshold"],
                      f"{em['score']:.3f} (threshold {acc['threshold']})"))
-    for task in acc.get("tasks") if isinstance(acc.get("tasks"), list) else []:
+    for task in acc.get("tasks", []):
         rows.append((f"accuracy.task.{task['task']}", task.get("passed", False), task.get("error") or
                      f"{task['metric']} {task['score']:.3f} (min {task['min']}, {task['samples']} samples)"))
     if "parity" in acc:
