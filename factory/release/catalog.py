@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from factory.paths import state_dir
 
@@ -40,9 +40,13 @@ class TestSummary(BaseModel):
 class RegressionCheck(BaseModel):
     check: str  # "output_tokens_per_s@8", "accuracy.gsm8k"
     previous: float
-    new: float | None
+    new: float | None  # None: not measured this time
     limit: float  # the lowest passing value
-    passed: bool
+
+    @computed_field
+    @property
+    def passed(self) -> bool:
+        return self.new is not None and self.new >= self.limit
 
 
 class Comparison(BaseModel):

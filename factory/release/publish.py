@@ -57,9 +57,7 @@ def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, cha
     """Push image, SBOM and chart; record the release. Refuses, unless forced, a build whose gates failed
     or that regresses against the previous release."""
     spec = loaded.spec
-    summary = catalog.TestSummary(passed=tests.passed, summary=tests.summary, exact_match=tests.exact_match,
-                                  accuracy=tests.accuracy, output_tokens_per_s=tests.output_tokens_per_s,
-                                  profile=tests.profile, hardware=tests.hardware)
+    summary = catalog.TestSummary(**tests.model_dump(include=set(catalog.TestSummary.model_fields)))
     comparison = check_regression(catalog.releases(), spec.metadata.name, spec.metadata.version, summary, spec.tests)
     write_comparison(tests.report_dir, comparison)
     if not tests.passed and not force:

@@ -304,6 +304,8 @@ def test_publish_refuses_a_regression_against_the_previous_release_unless_forced
     assert "| output_tokens_per_s@1 | 100.000 | 50.000 | 90.000 | FAIL |" in (tmp_path / "b" / "summary.md").read_text()
     forced = publish(*slower, force=True)
     assert forced.forced and not forced.regression.passed and catalog.releases()[-1].forced
+    for name in ("summary.md", "index.html"):  # the forced publish replaced the refused one's section
+        assert (tmp_path / "b" / name).read_text().count("## Against the previous release") == 1
     assert forced.regression.previous.startswith("tiny-test 1.0.0")
 
 
