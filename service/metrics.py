@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.engine.base import EngineStats
@@ -49,6 +49,13 @@ class _EngineGauges(Collector):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        for name, doc, value in (  # vLLM's names; counted in tokens
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
 
 
 class ServiceMetrics:

@@ -55,6 +55,10 @@ class Settings(BaseModel):
     enable_kv_cache_reuse: bool = _opt(
         "NIM_ENABLE_KV_CACHE_REUSE", "--enable-kv-cache-reuse", "1 = reuse the KV cache of shared prompt prefixes "
         "(prefix caching) where the engine has it.", default=True)
+    kv_cache_tokens: int | None = _opt(
+        "NIM_KV_CACHE_TOKENS", "--kv-cache-tokens", "Tokens the torch engine's paged KV cache holds, all sequences "
+        "together; default: max_num_seqs x max_model_len, of which only the blocks used take memory.",
+        default=None, ge=1)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(

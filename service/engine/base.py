@@ -68,7 +68,9 @@ class EngineStats:
     running: int
     waiting: int
     max_num_seqs: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # KV-cache blocks in use, 0 to 1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which found there
 
 
 class EngineError(RuntimeError):
@@ -77,6 +79,10 @@ class EngineError(RuntimeError):
 
 class QueueFullError(EngineError):
     """Too many requests wait already: 503 with Retry-After."""
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit the engine (its KV cache): 400, as a prompt over the context is."""
 
 
 class EngineBase(ABC):

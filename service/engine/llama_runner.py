@@ -1,10 +1,14 @@
-"""A batched forward pass for Llama-family models over a per-slot KV cache.
+"""A batched forward pass for Llama-family models over a paged KV cache.
 
 Transformers' caches share one write position across a batch, so sequences at different positions
 cannot decode together through `model.forward`. This runner reuses the loaded model's own modules
 (projections, norms, MLPs, rotary embedding, LM head) and does only the attention itself, over a
-preallocated cache with one slot per running sequence: `[layers, slots, kv_heads, max_len, head_dim]`.
-Each decode step then handles every running sequence at its own position in one batch.
+cache of fixed-size blocks: `[layers, blocks * block_size, kv_heads, head_dim]`. Each sequence
+names its blocks in a block table (`service.engine.kv_blocks`), so one step handles every running
+sequence at its own position, and memory follows the tokens held rather than the longest possible.
+
+The cache is allocated untouched (`torch.empty`) and a block is zeroed the first time it is handed
+out: the process's resident memory grows with the most tokens ever held, not with the pool's size.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class UnsupportedModel(ValueError):
 
 
 class LlamaRunner:
-    def __init__(self, model, num_slots: int, max_len: int) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, max_len: int) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"the torch engine runs {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models, "
@@ -37,11 +41,12 @@ class LlamaRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
-        self.max_len = max_len
+        self.block_size = block_size
         device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        shape = (len(self.layers), num_slots, self.num_kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.zeroed = 0  # blocks below this id have been zeroed (masked keys must be finite: 0 * NaN)
         self.device = device
         self.fused = [self._fuse(layer) for layer in self.layers]
         self.rope_table = self._rope_table(model, max_len)
@@ -83,52 +88,59 @@ class LlamaRunner:
         return qkv_weight, qkv_bias, gate_up_weight, gate_up_bias
 
     @property
-    def cache_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+    def bytes_per_block(self) -> int:
+        return 2 * self.keys[:, :self.block_size].numel() * self.keys.element_size()
 
-    def forward(self, chunks: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """Run `(tokens, slot, start)` chunks together: prompt chunks, or one token each to decode.
+    def forward(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        """Run `(tokens, block_table, start)` chunks together: prompt chunks, or one token each.
 
-        Each chunk's tokens are written to its slot at positions start.. and attend to everything
-        before them in that slot. Chunks of different lengths are right-padded; padded queries are
-        computed but never written to the cache or returned. Returns the logits after each chunk's
-        last token: [chunks, vocab].
+        Each chunk's tokens are written at positions start.. of its sequence and attend to
+        everything before them. Chunks of different lengths are right-padded; padded queries are
+        computed but never written or returned. Returns the logits after each chunk's last token:
+        [chunks, vocab].
         """
+        self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
         batch, width = len(chunks), max(len(tokens) for tokens, _, _ in chunks)
         ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens, _, _ in chunks], device=self.device)
         lengths = torch.tensor([len(tokens) for tokens, _, _ in chunks], device=self.device)
         starts = torch.tensor([start for _, _, start in chunks], device=self.device)
-        slots = torch.tensor([slot for _, slot, _ in chunks], device=self.device)
+        blocks = max(len(table) for _, table, _ in chunks)
+        tables = torch.tensor([table + [0] * (blocks - len(table)) for _, table, _ in chunks], device=self.device)
         positions = starts.unsqueeze(1) + torch.arange(width, device=self.device).unsqueeze(0)  # [batch, width]
         length = int((starts + lengths).max())
-        # Query i of a chunk (at position start+i) sees the keys at positions 0..start+i of its slot.
-        mask = (torch.arange(length, device=self.device).view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1)
-        if width == 1:
-            rows = cols = None
-        else:
-            rows, cols = (torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)).nonzero(as_tuple=True)
-
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            if rows is None:
-                cache[slots, :, positions[:, 0]] = new[:, :, 0]
-            else:
-                cache[slots[rows], :, positions[rows, cols]] = new.transpose(1, 2)[rows, cols]
-
-        slot_list = [slot for _, slot, _ in chunks]
-        first = slot_list[0]
-        # Sequences in consecutive slots (the usual case: slots are handed out lowest first) read
-        # their keys through a view; others are gathered.
-        span = slice(first, first + batch) if slot_list == list(range(first, first + batch)) else None
-        hidden = self._layers(ids, positions, slots, span, mask, length, write)
+        span = torch.arange(length, device=self.device)
+        # Cache rows of each sequence's positions 0..length-1 (rows past its own end are masked).
+        rows = tables[:, span // self.block_size] * self.block_size + span % self.block_size  # [batch, length]
+        valid = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        written = rows.gather(1, positions.clamp(max=length - 1))[valid]  # where the new tokens go
+        if batch == 1 and width == 1:
+            mask, causal = None, False  # one query sees every key
+        elif batch == 1 and int(starts[0]) == 0:
+            mask, causal = None, True  # a prompt from its start: the fused causal kernel
+        else:  # query i of a chunk (at position start+i) sees the keys at positions 0..start+i
+            mask, causal = (span.view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1), False
+        hidden = self._layers(ids, positions, rows, valid, written, mask, causal)
         last = hidden[:, 0] if width == 1 else hidden[torch.arange(batch, device=self.device), lengths - 1]
         return self._logits(last)
 
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        """Share a prompt: the n choices of a request start from one prefill."""
-        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
-        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+    def _zero_new_blocks(self, upto: int) -> None:
+        if upto > self.zeroed:
+            first, end = self.zeroed * self.block_size, upto * self.block_size
+            self.keys[:, first:end].zero_()
+            self.values[:, first:end].zero_()
+            self.zeroed = upto
 
-    def _layers(self, ids, positions, slots, span, mask, length, write) -> torch.Tensor:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, target): a choice forked off a prompt gets its last block."""
+        if not pairs:
+            return
+        self._zero_new_blocks(max(max(pair) for pair in pairs) + 1)
+        size = self.block_size
+        for source, target in pairs:
+            self.keys[:, target * size:(target + 1) * size] = self.keys[:, source * size:(source + 1) * size]
+            self.values[:, target * size:(target + 1) * size] = self.values[:, source * size:(source + 1) * size]
+
+    def _layers(self, ids, positions, rows, valid, written, mask, causal) -> torch.Tensor:
         hidden = self.model.model.embed_tokens(ids)
         if self.rope_table is None:
             cos, sin = self.model.model.rotary_emb(hidden, positions)
@@ -143,16 +155,15 @@ class LlamaRunner:
             q, k, v = F.linear(x, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(batch, count, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(batch, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, count, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            write(self.keys[index], k)
-            write(self.values[index], v)
-            if span is not None:
-                keys, values = self.keys[index][span, :, :length], self.values[index][span, :, :length]
-            else:  # narrow (a view) before index_select: only the live part of each slot is copied
-                keys = self.keys[index].narrow(2, 0, length).index_select(0, slots)
-                values = self.values[index].narrow(2, 0, length).index_select(0, slots)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            keys, values = self.keys[index], self.values[index]
+            keys[written] = k.transpose(1, 2)[valid]
+            values[written] = v[valid]
+            # [batch, kv_heads, length, head_dim], gathered through the block tables
+            out = F.scaled_dot_product_attention(q, keys[rows].transpose(1, 2), values[rows].transpose(1, 2),
+                                                 attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                                 enable_gqa=True)
             hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
             gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, hidden), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)

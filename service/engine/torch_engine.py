@@ -1,15 +1,16 @@
 """The in-process torch engine: transformers weights, continuous batching on a worker thread.
 
-Scheduling is per token step, as in vLLM and TGI. Each step of the worker thread:
-1. admits waiting requests while KV-cache slots are free (one slot per choice; `n` choices share
-   one prefill and copy its cache),
-2. prefills prompts in chunks of at most `PREFILL_CHUNK_TOKENS` tokens in total. Chunking (rather
-   than whole prompts, batched) bounds how long one step can take, so a long prompt delays the
-   running sequences' next token by at most one chunk of compute,
-3. decodes one token for every running sequence in one batched forward pass, each sequence at its
-   own position in its own cache slot (`LlamaRunner`),
-4. hands each request its new tokens; finished sequences free their slots at once, so a short
-   request never waits for a long one and a new one can join at the next step.
+Scheduling is per token step, as in vLLM and TGI, and split as in vLLM V1: the policy is
+`Scheduler` (pure, no model), the memory `BlockPool` (a paged KV cache with prefix caching), and
+this engine only executes the scheduler's plans. Each step of the worker thread:
+1. takes new requests and drops aborted ones (their KV blocks are free at once),
+2. asks the scheduler for a plan: prompt chunks within a per-step token budget (so a long prompt
+   delays the running sequences' next token by one chunk of compute), and one token for every
+   decoding sequence, each at its own position in its own blocks,
+3. runs the chunks and the decodes as two batched forward passes (`LlamaRunner`) and samples each
+   sequence with its own parameters,
+4. hands each request its new tokens; finished sequences free their blocks, so a short request
+   never waits for a long one and a new one can join at the next step.
 
 The worker thread owns the model, so the event loop never waits on a forward pass; results cross
 back to the loop through each request's asyncio queue.
@@ -19,41 +20,31 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import heapq
 import logging
 import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 QueueFullError, SamplingParams)
+                                 QueueFullError, RequestTooLargeError, SamplingParams)
+from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
+from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_CHUNK_TOKENS = 256
+BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 MAX_CONSECUTIVE_FAILURES = 3  # forward passes failing in a row: the engine is broken, not a request
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One choice of a request, bound to one KV-cache slot."""
-
-    state: _RequestState
-    output: SequenceOutput
-    generator: torch.Generator
-    slot: int
-    cached: int = 0  # tokens written to the slot's cache
-    next_token: int | None = None  # sampled, not yet in the cache
 
 
 @dataclass(eq=False)
@@ -61,10 +52,11 @@ class _RequestState:
     request: GenerationRequest
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    outputs: list[SequenceOutput]
+    generators: list[torch.Generator]
+    scheduled: Request
     aborted: bool = False
     done: bool = False
-    seqs: list[_Sequence] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the leader's cache
     error: EngineError | None = None
 
     @property
@@ -87,7 +79,8 @@ def _deliver(batch: list[tuple[_RequestState, list[ChoiceDelta]]]) -> None:
 class TorchEngine(Engine):
     def __init__(self, model_dir: Path, *, device: str = "cpu", precision: str = "fp32",
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_queue: int = 256,
-                 cpu_threads: int | None = None) -> None:
+                 cpu_threads: int | None = None, kv_cache_tokens: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         if precision not in DTYPES:
             raise ValueError(f"the torch engine runs {', '.join(DTYPES)}; not {precision!r}")
         self.model_dir = Path(model_dir)
@@ -99,9 +92,16 @@ class TorchEngine(Engine):
         # pool, its threads and the HTTP side preempt each other and each step takes twice as long.
         self.cpu_threads = cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
         self._load_tokenizer(max_model_len)
-        self._waiting: deque[_RequestState] = deque()
-        self._active: list[_RequestState] = []
-        self._free_slots = list(range(max_num_seqs))  # a heap: the lowest free slot first
+        # The pool's default holds every sequence at full length, as per-slot reservation did; it
+        # costs only what is touched (see LlamaRunner), and NIM_KV_CACHE_TOKENS caps it.
+        tokens = kv_cache_tokens or max_num_seqs * self.max_model_len
+        if tokens < self.max_model_len:
+            raise ValueError(f"NIM_KV_CACHE_TOKENS={tokens} cannot hold one sequence of max_model_len="
+                             f"{self.max_model_len} tokens")
+        self.pool = BlockPool(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, PREFILL_CHUNK_TOKENS)
+        self._incoming: deque[_RequestState] = deque()
+        self._states: list[_RequestState] = []  # admitted to the scheduler, not yet done
         self._cond = threading.Condition()
         self._stopping = False
         self._ready = False
@@ -111,8 +111,8 @@ class TorchEngine(Engine):
 
     def describe(self) -> str:
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
-                f"max_model_len={self.max_model_len}, {self.cpu_threads} CPU thread(s)")
-
+                f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
+                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads} CPU thread(s)")
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -153,9 +153,10 @@ class TorchEngine(Engine):
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
-        self.runner = LlamaRunner(self.model, self.max_num_seqs, self.max_model_len)
-        log.info("KV cache: %d slots x %d tokens, %.1f MiB on %s", self.max_num_seqs, self.max_model_len,
-                 self.runner.cache_bytes / 2**20, self.device)
+        self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
+                 self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
+                 self.device)
 
     @property
     def ready(self) -> bool:
@@ -164,7 +165,7 @@ class TorchEngine(Engine):
     async def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            for state in [*self._waiting, *self._active]:
+            for state in [*self._incoming, *self._states]:
                 state.aborted = True
             self._cond.notify_all()
         if self._thread:
@@ -175,11 +176,23 @@ class TorchEngine(Engine):
         """Admit the request now (raising QueueFullError/EngineError at once), stream it later."""
         if not self.ready:
             raise EngineError(self._dead or "the engine is not ready")
-        state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop())
+        params, prompt = request.params, request.prompt_token_ids
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt))
+        need = params.n * self.pool.blocks_for(len(prompt) + max_new)
+        if need > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"{params.n} choice(s) of {len(prompt) + max_new} tokens need {need} KV-cache blocks of "
+                f"{BLOCK_SIZE} tokens; the cache has {self.pool.num_blocks} (NIM_KV_CACHE_TOKENS)")
+        outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
+        state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
+                              [make_generator(params, i, self.device) for i in range(params.n)],
+                              Request(request.request_id, prompt, params.n))
+        state.scheduled.owner = state
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are waiting already (NIM_MAX_QUEUE={self.max_queue})")
-            self._waiting.append(state)
+            waiting = len(self._incoming) + len(self.scheduler.waiting)
+            if waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting already (NIM_MAX_QUEUE={self.max_queue})")
+            self._incoming.append(state)
             self._cond.notify()
         return self._stream(state)
 
@@ -207,25 +220,24 @@ class TorchEngine(Engine):
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            states = [s for s in (*self._waiting, *self._active) if s.request.request_id == request_id]
+            states = [s for s in (*self._incoming, *self._states) if s.request.request_id == request_id]
         for state in states:
             self._abort_state(state)
 
     def _abort_state(self, state: _RequestState) -> None:
-        """Waiting requests leave at once; running ones are finished by the next step."""
+        """Requests not yet taken leave at once; the others are dropped at the start of the next step."""
         with self._cond:
             state.aborted = True
-            if state in self._waiting:
-                self._waiting.remove(state)
+            if state in self._incoming:
+                self._incoming.remove(state)
                 state.done = True
             self._cond.notify()
 
     def stats(self) -> EngineStats:
-        with self._cond:
-            active, waiting = list(self._active), len(self._waiting)
-        used = sum(seq.cached for state in active for seq in state.seqs)
-        return EngineStats(running=len(active), waiting=waiting, max_num_seqs=self.max_num_seqs,
-                           kv_cache_usage=min(1.0, used / (self.max_num_seqs * self.max_model_len)))
+        scheduler = self.scheduler
+        return EngineStats(running=len(scheduler.running), waiting=len(self._incoming) + len(scheduler.waiting),
+                           max_num_seqs=self.max_num_seqs, kv_cache_usage=self.pool.num_used / self.pool.num_blocks,
+                           prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits)
 
     # -- the worker thread -----------------------------------------------------------------
     def _worker(self) -> None:
@@ -234,11 +246,15 @@ class TorchEngine(Engine):
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and not self._active and not self._stopping:
+                    while not self._incoming and not self._states and not self._stopping:
                         self._cond.wait()
-                    if self._stopping and not self._active:
+                    if self._stopping and not self._states:
                         break
-                    self._admit()
+                    incoming = list(self._incoming)
+                    self._incoming.clear()
+                    self._states += incoming
+                for state in incoming:
+                    self.scheduler.add(state.scheduled)
                 with torch.inference_mode():
                     self._step()
         except Exception as exc:  # the scheduler itself broke: nothing it holds can be trusted
@@ -247,126 +263,111 @@ class TorchEngine(Engine):
             return
         self._die("the engine has shut down")  # whatever still waits is told so
 
-    def _admit(self) -> None:
-        """Move waiting requests (in order) into the running batch while slots are free."""
-        while self._waiting and len(self._free_slots) >= self._waiting[0].params.n:
-            state = self._waiting.popleft()
-            params, prompt = state.params, state.request.prompt_token_ids
-            max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-            for index in range(params.n):
-                output = SequenceOutput(index, self._detokenizer(prompt), params, self.eos_ids, max_new)
-                generator = make_generator(params, index, self.device)
-                state.seqs.append(_Sequence(state, output, generator, heapq.heappop(self._free_slots)))
-            self._active.append(state)
-
     def _step(self) -> None:
         deltas: dict[_RequestState, list[ChoiceDelta]] = defaultdict(list)
-        for state in self._active:
+        for state in self._states:
             if state.aborted:
-                deltas[state] += [seq.output.finish("abort") for seq in state.seqs if not seq.output.finished]
-        self._prefill(deltas)
-        self._decode(deltas)
+                deltas[state] += [out.finish("abort") for out in state.outputs if not out.finished]
+        self._release_finished(deltas)
+        plan = self.scheduler.schedule()
+        if plan.chunks:
+            sampled = self._execute(plan, deltas)
+            self.scheduler.update(plan, sampled)
         ready = [(state, items) for state, items in deltas.items() if items]
         if ready:
             # One wake-up of the event loop per step, however many requests got tokens.
             ready[0][0].loop.call_soon_threadsafe(_deliver, ready)
-        self._release_finished()
+        self._release_finished({})
 
-    def _prefill(self, deltas: dict) -> None:
-        """The next prompt chunks of every request still prefilling, within one step's token budget."""
-        budget, work = PREFILL_CHUNK_TOKENS, []
-        for state in self._active:
-            prompt = state.request.prompt_token_ids
-            if budget <= 0 or state.aborted or state.prefilled == len(prompt):
-                continue
-            chunk = prompt[state.prefilled:state.prefilled + budget]
-            work.append((state, chunk))
-            budget -= len(chunk)
-        if not work:
-            return
-        for (state, chunk), logits in self._prefill_forward(work, deltas):
-            state.prefilled += len(chunk)
-            if state.prefilled < len(state.request.prompt_token_ids):
-                continue
-            leader = state.seqs[0]
-            for seq in state.seqs:
-                if seq is not leader:
-                    self.runner.copy_slot(leader.slot, seq.slot, state.prefilled)
-                seq.cached = state.prefilled
-            self._sample(state.seqs, logits.unsqueeze(0).expand(len(state.seqs), -1), deltas)
+    def _execute(self, plan: StepPlan, deltas: dict) -> dict[Sequence, int]:
+        """Prompt chunks in one forward and decodes in another (padding a decode to a chunk's width
+        would waste its compute); a chunk whose forward failed leaves the plan."""
+        done: list[tuple[Chunk, torch.Tensor]] = []
+        for group in ([c for c in plan.chunks if len(c.tokens) > 1], [c for c in plan.chunks if len(c.tokens) == 1]):
+            if group:
+                done += self._forward(group, deltas)
+        plan.chunks = [chunk for chunk, _ in done]
+        self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
+        sampled: dict[Sequence, int] = {}
+        for chunk, logits in done:
+            if chunk.samples:
+                self._sample(chunk.samples, logits.unsqueeze(0).expand(len(chunk.samples), -1), deltas, sampled)
+        return sampled
 
-    def _prefill_forward(self, work: list, deltas: dict) -> list:
-        """One forward for all chunks; if it fails, each chunk alone, so only a bad request fails."""
-        def run(items):
-            return self.runner.forward([(chunk, state.seqs[0].slot, state.prefilled) for state, chunk in items])
+    def _forward(self, group: list[Chunk], deltas: dict) -> list[tuple[Chunk, torch.Tensor]]:
+        """One forward for the group; if it fails, each chunk alone, so only a bad request fails."""
+        def run(chunks: list[Chunk]) -> torch.Tensor:
+            return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks])
 
         try:
-            return list(zip(work, run(work)))
+            logits = run(group)
+            if len(group[0].tokens) == 1:  # a decode that works is the sign of a working engine
+                self._failures = 0
+            return list(zip(group, logits))
         except Exception as exc:
-            if len(work) == 1:
-                self._fail([work[0][0]], exc, deltas)
+            if len(group) == 1:
+                self._fail([group[0].seq.request.owner], exc, deltas)
                 return []
         done = []
-        for item in work:
+        for chunk in group:
             try:
-                done.append((item, run([item])[0]))
+                done.append((chunk, run([chunk])[0]))
             except Exception as exc:
-                self._fail([item[0]], exc, deltas)
+                self._fail([chunk.seq.request.owner], exc, deltas)
         return done
 
-    def _decode(self, deltas: dict) -> None:
-        batch = sorted((seq for state in self._active if not state.aborted for seq in state.seqs
-                        if seq.next_token is not None and not seq.output.finished), key=lambda seq: seq.slot)
-        if not batch:
-            return
-        try:
-            logits = self.runner.forward([([s.next_token], s.slot, s.cached) for s in batch])
-        except Exception as exc:
-            self._fail(list({seq.state: None for seq in batch}), exc, deltas)
-            return
-        self._failures = 0
-        for seq in batch:
-            seq.cached += 1
-        self._sample(batch, logits, deltas)
-
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, deltas: dict) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
         """Each sequence samples with its own parameters and generator; greedy rows share one argmax."""
         greedy = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
-            state, params = seq.state, seq.state.params
+            state = seq.request.owner
+            params, output = state.params, state.outputs[seq.index]
+            if state.error or output.finished:
+                continue
             try:
                 if params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
                     token = greedy[row]
                 else:
-                    token = sample_token(process_logits(logits[row], params, seq.output.token_ids), params, seq.generator)
+                    token = sample_token(process_logits(logits[row], params, output.token_ids), params,
+                                         state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)
             except Exception as exc:  # e.g. a distribution with no finite value: this request only
                 self._fail([state], exc, deltas)
                 continue
-            seq.next_token = token
-            deltas[state].append(seq.output.append(token, logprob))
+            sampled[seq] = token
+            deltas[state].append(output.append(token, logprob))
 
     def _fail(self, states: list[_RequestState], exc: Exception, deltas: dict) -> None:
         log.error("generation failed for %s: %s", [s.request.request_id for s in states], exc, exc_info=exc)
         for state in states:
-            deltas[state] += [seq.output.finish("error") for seq in state.seqs if not seq.output.finished]
+            deltas[state] += [out.finish("error") for out in state.outputs if not out.finished]
             state.error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
         self._failures += 1
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
             self._dead = f"{self._failures} forward passes failed in a row; last: {type(exc).__name__}: {exc}"
 
-    def _release_finished(self) -> None:
+    def _release_finished(self, deltas: dict) -> None:
+        """Between steps: free the blocks of ended choices and requests, and end their streams."""
+        finished = []
+        for state in self._states:
+            if state.aborted or all(out.finished for out in state.outputs):
+                self.scheduler.finish(state.scheduled)
+                finished.append(state)
+            else:
+                for seq, out in zip(state.scheduled.seqs, state.outputs):
+                    if out.finished and not seq.finished:
+                        self.scheduler.finish_seq(seq)
         with self._cond:
-            for state in list(self._active):
-                if state.aborted or all(seq.output.finished for seq in state.seqs):
-                    self._active.remove(state)
-                    for seq in state.seqs:
-                        heapq.heappush(self._free_slots, seq.slot)
-                    state.done = True
-                    if state.error:
-                        state.emit(state.error)
-                    state.emit(None)
+            for state in finished:
+                self._states.remove(state)
+                state.done = True
+        for state in finished:
+            if deltas.get(state):
+                state.emit(deltas.pop(state))
+            if state.error:
+                state.emit(state.error)
+            state.emit(None)
         if self._dead:
             self._die(self._dead)
 
@@ -374,9 +375,9 @@ class TorchEngine(Engine):
         """Fail everything in flight; readiness turns 503 and new requests are refused."""
         self._dead = reason
         with self._cond:
-            states = [*self._waiting, *self._active]
-            self._waiting.clear()
-            self._active.clear()
+            states = [*self._incoming, *self._states]
+            self._incoming.clear()
+            self._states.clear()
         for state in states:
             state.done = True
             state.emit(EngineError(reason))

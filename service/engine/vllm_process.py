@@ -30,7 +30,7 @@ log = logging.getLogger("service.engine.vllm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANTIZATION = {"fp8": "fp8"}  # int8 / int4 checkpoints carry their own quantization config
 # engine_args the runtime itself consumes rather than passing to vLLM
-RUNTIME_ARGS = frozenset({"max_queue", "cpu_threads"})
+RUNTIME_ARGS = frozenset({"max_queue", "cpu_threads", "kv_cache_tokens"})
 START_TIMEOUT_S = 1800.0  # weights download and warm-up compile on big models; the startup probe bounds it
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 20.0
@@ -208,7 +208,8 @@ class VllmEngine(ProcessEngine):
 
 
 def gauges_from_vllm(text: str, max_num_seqs: int, previous: EngineStats) -> EngineStats:
-    """running, waiting and KV-cache fill from vLLM's exposition (names of vLLM V1 and before)."""
+    """running, waiting, KV-cache fill and prefix-cache counters from vLLM's exposition (names of vLLM V1
+    and before)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
@@ -218,4 +219,6 @@ def gauges_from_vllm(text: str, max_num_seqs: int, previous: EngineStats) -> Eng
     kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", previous.kv_cache_usage))
     return EngineStats(running=int(values.get("vllm:num_requests_running", previous.running)),
                        waiting=int(values.get("vllm:num_requests_waiting", previous.waiting)),
-                       max_num_seqs=max_num_seqs, kv_cache_usage=float(kv))
+                       max_num_seqs=max_num_seqs, kv_cache_usage=float(kv),
+                       prefix_cache_queries=int(values.get("vllm:prefix_cache_queries_total", previous.prefix_cache_queries)),
+                       prefix_cache_hits=int(values.get("vllm:prefix_cache_hits_total", previous.prefix_cache_hits)))

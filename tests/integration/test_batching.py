@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from factory.tinymodel import memorised_pairs
-from service.engine.base import EngineError, GenerationRequest, QueueFullError, SamplingParams
+from service.engine.base import (EngineError, GenerationRequest, QueueFullError, RequestTooLargeError,
+                                 SamplingParams)
 from service.engine.torch_engine import TorchEngine
 
 PAIRS = memorised_pairs()
@@ -90,7 +91,7 @@ async def test_short_request_joins_and_leaves_while_a_long_one_runs(engine):
     assert await task == long_alone
 
 
-async def test_abort_mid_batch_frees_the_slot_and_spares_the_others(engine):
+async def test_abort_mid_batch_frees_the_blocks_and_spares_the_others(engine):
     survivor = request(engine, PAIRS[1][0], temperature=0, max_tokens=200, ignore_eos=True)
     expected = await collect(engine, survivor)
     victim = request(engine, "B", temperature=0, max_tokens=400, ignore_eos=True)
@@ -108,7 +109,7 @@ async def test_abort_mid_batch_frees_the_slot_and_spares_the_others(engine):
         await asyncio.sleep(0.001)
     assert engine.stats().running <= 1
     assert await survivor_task == expected
-    assert engine.stats().running == 0 and len(engine._free_slots) == engine.max_num_seqs
+    assert engine.stats().running == 0 and engine.pool.num_used == 0
 
 
 async def test_requests_wait_for_slots_then_the_queue_refuses(tiny_model_dir):
@@ -177,3 +178,70 @@ async def test_a_broken_engine_turns_unready(engine, monkeypatch):
     assert not engine.ready
     with pytest.raises(EngineError, match="in a row"):
         engine.generate(request(engine, "F"))
+
+
+async def test_a_prefix_cache_hit_gives_the_same_greedy_output_and_is_counted(tiny_model_dir):
+    cached = TorchEngine(tiny_model_dir, max_num_seqs=8)
+    uncached = TorchEngine(tiny_model_dir, max_num_seqs=8, enable_prefix_caching=False)
+    for engine in (cached, uncached):
+        await engine.start()
+    try:
+        system = " ".join(prompt for prompt, _ in PAIRS[:4])  # a shared prefix of several blocks
+        reqs = [request(cached, system + " " + PAIRS[i][0], temperature=0, max_tokens=24, ignore_eos=True)
+                for i in range(4, 8)]
+        first = await collect(cached, reqs[0])
+        hits_before = cached.stats().prefix_cache_hits
+        outputs = [first] + list(await asyncio.gather(*(collect(cached, r) for r in reqs[1:])))
+        stats = cached.stats()
+        shared = len(cached.tokenizer(system)["input_ids"]) // 16 * 16
+        assert stats.prefix_cache_hits - hits_before >= 3 * (shared - 16), "later requests found the prefix"
+        assert stats.prefix_cache_queries >= sum(len(r.prompt_token_ids) for r in reqs)
+        assert outputs == [await collect(uncached, r) for r in reqs], "greedy outputs do not change with a hit"
+        assert uncached.stats().prefix_cache_hits == 0
+    finally:
+        for engine in (cached, uncached):
+            await engine.shutdown()
+
+
+async def test_kv_memory_follows_the_tokens_held(tiny_model_dir):
+    """32 sequences of 64 tokens at max_model_len 512 hold 1/8 of what one slot each reserved."""
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=32, max_model_len=512)
+    await engine.start()
+    try:
+        reqs = [GenerationRequest(f"m{i}", [1] + [10 + i] * 63, SamplingParams(temperature=0, max_tokens=8,
+                                                                                ignore_eos=True)) for i in range(32)]
+        streams = [engine.generate(r) for r in reqs]
+        await asyncio.gather(*(anext(s) for s in streams))  # every prompt is in the cache
+        held = engine.pool.num_used * engine.runner.bytes_per_block
+        per_slot = 32 * 512 * engine.runner.bytes_per_block // 16
+        assert held <= per_slot / 4, f"{held} bytes held"
+        assert engine.runner.zeroed <= engine.pool.num_used + 32, "untouched blocks take no memory"
+        for stream in streams:
+            await stream.aclose()
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_request_larger_than_the_kv_cache_is_refused_at_once(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=4, max_model_len=256, kv_cache_tokens=256)
+    await engine.start()
+    try:
+        with pytest.raises(RequestTooLargeError, match="NIM_KV_CACHE_TOKENS"):
+            engine.generate(request(engine, "G", n=4, max_tokens=200))
+        assert await collect(engine, request(engine, "G", n=1, max_tokens=200, temperature=0))
+    finally:
+        await engine.shutdown()
+
+
+async def test_preempted_requests_finish_with_the_outputs_they_would_have_had(tiny_model_dir):
+    """A cache too small for the batch: sequences are preempted, recomputed, and greedy output holds."""
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=8, max_model_len=256, kv_cache_tokens=320,
+                         enable_prefix_caching=False)
+    await engine.start()
+    try:
+        reqs = [request(engine, PAIRS[i][0], temperature=0, max_tokens=100, ignore_eos=True) for i in range(6)]
+        alone = [await collect(engine, r) for r in reqs]
+        assert await asyncio.gather(*(collect(engine, r) for r in reqs)) == alone
+        assert engine.scheduler.preemptions > 0
+    finally:
+        await engine.shutdown()

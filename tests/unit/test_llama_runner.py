@@ -1,4 +1,4 @@
-"""The batched runner computes what transformers computes, chunk by chunk and slot by slot."""
+"""The batched runner computes what transformers computes, chunk by chunk, over paged blocks."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ ATOL = 1e-4
 def setup(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    return tokenizer, model, LlamaRunner(model, num_slots=8, max_len=512)
+    return tokenizer, model, LlamaRunner(model, num_blocks=64, block_size=4, max_len=512)
 
 
 def reference(model, ids: list[int]) -> torch.Tensor:
@@ -26,9 +26,10 @@ def test_chunked_prefill_then_decode_matches_transformers(setup):
     ids = tokenizer("The capital of France is Paris, a city on the river Seine.")["input_ids"]
     expected = reference(model, ids)
     with torch.inference_mode():
-        first = runner.forward([(ids[:4], 3, 0)])[0]
-        second = runner.forward([(ids[4:9], 3, 4)])[0]
-        steps = [runner.forward([([ids[p]], 3, p)])[0] for p in range(9, len(ids))]
+        table = [9, 2, 30, 7, 11, 5, 40, 41]  # blocks in any order
+        first = runner.forward([(ids[:4], table, 0)])[0]
+        second = runner.forward([(ids[4:9], table, 4)])[0]
+        steps = [runner.forward([([ids[p]], table, p)])[0] for p in range(9, len(ids))]
     assert torch.allclose(first, expected[3], atol=ATOL)
     assert torch.allclose(second, expected[8], atol=ATOL)
     for offset, logits in enumerate(steps):
@@ -40,19 +41,20 @@ def test_mixed_batch_of_chunks_and_positions(setup):
     a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
     b = tokenizer("Tea")["input_ids"]
     with torch.inference_mode():
-        runner.forward([(a[:6], 0, 0)])
-        logits = runner.forward([(a[6:], 0, 6), (b, 5, 0)])  # a continues while b starts
+        runner.forward([(a[:6], [0, 1], 0)])
+        logits = runner.forward([(a[6:], [0, 1, 3, 4, 6, 8], 6), (b, [20], 0)])  # a continues while b starts
     assert torch.allclose(logits[0], reference(model, a)[-1], atol=ATOL)
     assert torch.allclose(logits[1], reference(model, b)[-1], atol=ATOL)
 
 
-def test_copied_slot_continues_like_the_original(setup):
+def test_shared_and_copied_blocks_continue_like_the_original(setup):
+    """A fork: the second sequence holds the first's full block and a copy of its partial one."""
     tokenizer, model, runner = setup
-    ids = tokenizer("Seven days make one week")["input_ids"]
+    ids = tokenizer("Seven days make one week")["input_ids"][:7]
     with torch.inference_mode():
-        runner.forward([(ids[:-1], 1, 0)])
-        runner.copy_slot(1, 2, len(ids) - 1)
-        logits = runner.forward([([ids[-1]], 1, len(ids) - 1), ([ids[-1]], 2, len(ids) - 1)])
+        runner.forward([(ids[:-1], [50, 51], 0)])
+        runner.copy_blocks([(51, 52)])
+        logits = runner.forward([([ids[-1]], [50, 51], len(ids) - 1), ([ids[-1]], [50, 52], len(ids) - 1)])
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
     assert torch.allclose(logits[0], reference(model, ids)[-1], atol=ATOL)
 
@@ -73,6 +75,6 @@ def test_unsupported_architecture_is_refused(setup):
     model.config.model_type = "gpt2"
     try:
         with pytest.raises(UnsupportedModel, match="gpt2"):
-            LlamaRunner(model, 1, 16)
+            LlamaRunner(model, 1, 16, 16)
     finally:
         model.config.model_type = "llama"

@@ -57,6 +57,10 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 480.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 320.0
 """
 
 
@@ -64,6 +68,7 @@ def test_gauges_come_from_vllms_exposition_and_keep_the_last_values_when_absent(
     previous = EngineStats(running=0, waiting=0, max_num_seqs=16, kv_cache_usage=0.0)
     stats = gauges_from_vllm(VLLM_METRICS, 16, previous)
     assert (stats.running, stats.waiting, stats.kv_cache_usage) == (3, 1, 0.25)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (480, 320)
     assert gauges_from_vllm("", 16, stats) == stats
 
 
