@@ -153,7 +153,7 @@ class TorchEngine(Engine):
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
-        self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len)
+        self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
                  self.device)

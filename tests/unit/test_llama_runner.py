@@ -62,7 +62,7 @@ def test_shared_and_copied_blocks_continue_like_the_original(setup):
 def test_fused_projections_leave_the_model_intact(setup):
     tokenizer, model, runner = setup
     attention = model.model.layers[0].self_attn
-    qkv = runner.fused[0][0]
+    qkv = runner.linears[0]["qkv"].weight
     assert attention.q_proj.weight.data_ptr() == qkv.data_ptr(), "views, not copies"
     ids = tokenizer("Bread is baked")["input_ids"]
     with torch.inference_mode():
@@ -78,3 +78,17 @@ def test_unsupported_architecture_is_refused(setup):
             LlamaRunner(model, 1, 16, 16)
     finally:
         model.config.model_type = "llama"
+
+
+def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup):
+    tokenizer, _, runner = setup
+    packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
+    if not packed.linears[0]["qkv"].packed:
+        pytest.skip("torch has no oneDNN here")
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+    b = tokenizer("Tea")["input_ids"]
+    with torch.inference_mode():
+        chunks = [(a, [0, 1, 2, 3, 4, 5], 0), (b, [20], 0)]
+        assert torch.allclose(packed.forward(chunks), runner.forward(chunks), atol=ATOL)
+        decode = [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
+        assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
