@@ -65,6 +65,7 @@ class LoadSettings:
     warmup: int = 2
     seed: int = 0
     timeout: float = 300.0
+    prefix: str = ""  # text every prompt starts with (a shared system prompt, as AIPerf's prefix prompts)
 
 
 def synthetic_prompt(tokens: int, seed: int) -> str:
@@ -75,7 +76,7 @@ def synthetic_prompt(tokens: int, seed: int) -> str:
 
 
 async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: int) -> RequestRecord:
-    body = {"model": settings.model, "prompt": synthetic_prompt(settings.prompt_tokens, settings.seed + index),
+    body = {"model": settings.model, "prompt": settings.prefix + synthetic_prompt(settings.prompt_tokens, settings.seed + index),
             "max_tokens": settings.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     record = RequestRecord(start=time.perf_counter(), index=index)
