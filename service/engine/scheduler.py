@@ -176,9 +176,9 @@ class Scheduler:
         return copies
 
     def _admit(self, budget: int, plan: StepPlan) -> None:
-        if plan.preempted:  # memory is short: admitting now would only preempt again
-            return
         while self.waiting and self.num_running_seqs + self.waiting[0].n <= self.max_seqs:
+            if plan.preempted:  # memory is short: admitting now would only preempt again
+                return
             request = self.waiting[0]
             leader = request.seqs[0]
             hit = self.pool.cached_prefix(leader.tokens)

@@ -156,3 +156,19 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
 def test_a_request_larger_than_the_cache_is_refused():
     with pytest.raises(ValueError, match="blocks"):
         make(num_blocks=2).add(Request("big", prompt(20)))
+
+
+def test_a_forked_request_that_no_longer_fits_waits_instead_of_looping():
+    """Preempted after its fork, a request's choices each need their own blocks on readmission."""
+    scheduler = make(num_blocks=13, caching=False)  # each request fits alone (13 and 5 blocks), not both
+    scheduler.add(Request("n", prompt(6), n=3))
+    step(scheduler)  # forked: 1 shared block + 3 partial ones
+    scheduler.add(Request("other", prompt(10, 300)))
+    preempted, finished = 0, []
+    for _ in range(200):  # each schedule() returns; requests end at 20 tokens, every one gets there
+        preempted += len(step(scheduler).preempted)
+        for request in list(scheduler.running):
+            if all(len(seq.tokens) >= 20 for seq in request.seqs):
+                scheduler.finish(request)
+                finished.append(request.request_id)
+    assert preempted and sorted(finished) == ["n", "other"]
