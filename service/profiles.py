@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 
 from service.manifest import Manifest, Profile
 
@@ -15,6 +17,9 @@ ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
 ENGINE_PRECISIONS = {"torch": frozenset({"fp32", "bf16", "fp16"}),
                      "vllm": frozenset({"fp32", "bf16", "fp16", "fp8", "int8", "int4"})}
 ENGINE_MAX_DEVICES = {"torch": 1}  # the torch engine runs on one device: no tensor or pipeline parallelism
+# What a CPU needs to run a 16-bit precision at speed (else it emulates: on this project's AVX512 CI
+# machine a bf16 matmul of a decode batch took 2.7x as long as fp32).
+CPU_PRECISION_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
 KNOWN_GPU_KINDS = ("gh200", "h200", "h100", "h20", "b200", "b100", "a100", "a10g", "a10", "l40s", "l40", "l4", "t4", "v100")
 
 
@@ -29,6 +34,12 @@ class Gpu:
 @dataclass(frozen=True)
 class Hardware:
     gpus: tuple[Gpu, ...] = ()
+    cpu_flags: frozenset[str] = frozenset()
+
+    def cpu_runs(self, precision: str) -> bool:
+        """Whether the CPU computes this precision natively (fp32 always)."""
+        needed = CPU_PRECISION_FLAGS.get(precision)
+        return needed is None or any(flag in self.cpu_flags for flag in needed)
 
     @property
     def gpu_kinds(self) -> set[str]:
@@ -52,17 +63,28 @@ def gpu_kind(name: str) -> str:
     return "-".join(w for w in re.findall(r"[a-z0-9]+", lowered) if w not in ("nvidia", "tesla", "geforce"))
 
 
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo); none where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 def detect_hardware() -> Hardware:
-    """GPUs as torch sees them (so CUDA_VISIBLE_DEVICES applies); none where CUDA is absent."""
+    """GPUs as torch sees them (so CUDA_VISIBLE_DEVICES applies), and the CPU's features."""
     import torch
 
     if not torch.cuda.is_available():
-        return Hardware()
+        return Hardware(cpu_flags=cpu_flags())
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         gpus.append(Gpu(index, props.name, gpu_kind(props.name), props.total_memory))
-    return Hardware(tuple(gpus))
+    return Hardware(tuple(gpus), cpu_flags())
 
 
 def available_engines() -> set[str]:
@@ -103,6 +125,9 @@ def check_profile(profile: Profile, hardware: Hardware, engines: set[str], tp_ov
     elif tags.engine == "vllm" and (build := vllm_build()) and (build == "cpu") != (tags.gpu == "cpu"):
         result.reasons.append(f"vLLM here is its {build.upper()} build; the profile asks for gpu {tags.gpu!r}")
     if tags.gpu == "cpu":
+        if tags.engine == "torch" and not hardware.cpu_runs(tags.precision):
+            flags = " or ".join(CPU_PRECISION_FLAGS[tags.precision])
+            result.reasons.append(f"{tags.precision} on CPU needs {flags}, which this CPU lacks (fp32 is faster here)")
         if hardware.gpus:
             result.reasons.append("a CPU profile, but GPUs are present (hide them with CUDA_VISIBLE_DEVICES='' to run on CPU)")
         return result

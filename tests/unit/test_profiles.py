@@ -105,3 +105,15 @@ def test_manifest_round_trips_through_yaml(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(m.to_yaml())
     assert load_manifest(path) == m
+
+
+def test_a_16_bit_cpu_profile_needs_the_cpus_native_support():
+    bf16_cpu = profile(precision="bf16")
+    assert bf16_cpu.tags.gpu == "cpu"
+    (check,) = check_profiles(manifest(bf16_cpu), Hardware(cpu_flags=frozenset({"avx512f"})), {"torch"})
+    assert not check.compatible and "avx512_bf16 or amx_bf16" in check.reasons[0]
+    for flags in ({"avx512_bf16"}, {"amx_bf16", "amx_tile"}):
+        (check,) = check_profiles(manifest(bf16_cpu), Hardware(cpu_flags=frozenset(flags)), {"torch"})
+        assert check.compatible, check.reasons
+    (check,) = check_profiles(manifest(profile()), CPU, {"torch"})
+    assert check.compatible, "fp32 needs nothing"
