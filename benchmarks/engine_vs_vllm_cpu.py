@@ -7,6 +7,7 @@ loop, ignore_eos, greedy):
   and 16: output tok/s and TTFT p50;
 - a shared-prefix workload: every prompt starts with the same ~480-token text (a system prompt),
   at concurrency 1 and 4, with the torch engine's prefix caching on and off, and vLLM's on;
+- the torch engine's forward pass on every core but one (its default) against every core;
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512,
   against a slot of max_model_len per sequence (what the engine reserved before paging).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 
@@ -70,11 +72,13 @@ def run_engine(client, image: str, model_dir: Path | None, weights: Path, env: d
         running.stop()
 
 
-def ratios(torch_run: dict, vllm_run: dict) -> dict:
+def ratios(torch_run: dict, all_cores: dict, vllm_run: dict) -> dict:
     def ratio(a: dict, b: dict, key: str) -> float:
         return round(a[key] / b[key], 2)
 
-    return {"tok_s_torch_over_vllm": {lvl: ratio(torch_run["levels"][lvl], vllm_run["levels"][lvl], "output_tok_s")
+    return {"tok_s_all_cores_over_default": {
+                lvl: ratio(all_cores["levels"][lvl], torch_run["levels"][lvl], "output_tok_s") for lvl in LEVELS},
+            "tok_s_torch_over_vllm": {lvl: ratio(torch_run["levels"][lvl], vllm_run["levels"][lvl], "output_tok_s")
                                       for lvl in LEVELS},
             "ttft_p50_torch_over_vllm": {lvl: ratio(torch_run["levels"][lvl], vllm_run["levels"][lvl], "ttft_p50_ms")
                                          for lvl in LEVELS}}
@@ -125,8 +129,11 @@ def main() -> None:
             runs = {"torch": run_engine(client, images["torch"], model_dir, weights),
                     "torch_no_prefix_cache": run_engine(client, images["torch"], model_dir, weights,
                                                         {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
+                    # every core in the forward pass, none left to the HTTP side: the default's alternative
+                    "torch_all_cores": run_engine(client, images["torch"], model_dir, weights,
+                                                  {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))}),
                     "vllm": run_engine(client, images["vllm"], model_dir, weights)}
-            runs.update(ratios(runs["torch"], runs["vllm"]))
+            runs.update(ratios(runs["torch"], runs["torch_all_cores"], runs["vllm"]))
             prefix = {engine: runs[engine]["shared_prefix"][1]["ttft_p50_ms"]
                       for engine in ("torch", "torch_no_prefix_cache", "vllm")}
             runs["shared_prefix_ttft_p50_c1"] = {

@@ -140,7 +140,7 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         max_model_len=engine_setting(settings, profile, "max_model_len", None),
         max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
         max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE),
-        cpu_threads=profile.engine_args.get("cpu_threads"),
+        cpu_threads=engine_setting(settings, profile, "cpu_threads", None),
         kv_cache_tokens=engine_setting(settings, profile, "kv_cache_tokens", None),
         enable_prefix_caching=settings.enable_kv_cache_reuse,
     )

@@ -59,6 +59,9 @@ class Settings(BaseModel):
         "NIM_KV_CACHE_TOKENS", "--kv-cache-tokens", "Tokens the torch engine's paged KV cache holds, all sequences "
         "together; default: max_num_seqs x max_model_len, of which only the blocks used take memory.",
         default=None, ge=1)
+    cpu_threads: int | None = _opt(
+        "NIM_CPU_THREADS", "--cpu-threads", "Threads of the torch engine's forward pass on CPU; default: the profile's "
+        "engine_args, else every core but one (left to the HTTP side).", default=None, ge=1)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(
