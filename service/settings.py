@@ -61,7 +61,8 @@ class Settings(BaseModel):
         default=None, ge=1)
     cpu_threads: int | None = _opt(
         "NIM_CPU_THREADS", "--cpu-threads", "Threads of the torch engine's forward pass on CPU; default: the profile's "
-        "engine_args, else every core but one (left to the HTTP side).", default=None, ge=1)
+        "engine_args, else every core for models of 10M parameters and more, every core but one (left to the HTTP "
+        "side) below.", default=None, ge=1)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(

@@ -44,7 +44,19 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_CHUNK_TOKENS = 256
 BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
+COMPUTE_BOUND_PARAMETERS = 10_000_000  # from here on, the forward pass takes every CPU core
 MAX_CONSECUTIVE_FAILURES = 3  # forward passes failing in a row: the engine is broken, not a request
+
+
+def default_cpu_threads(parameters: int) -> int:
+    """Forward-pass threads on CPU, as benchmarks/engine_vs_vllm_cpu.py measured on 2 cores.
+
+    A small model's step is mostly per-step overhead: with every core in torch's pool, its threads
+    and the HTTP side preempt each other (the 0.4M-parameter tiny model lost 13-39% of its tok/s).
+    A larger model's step is its matmuls, and every core pays (the 76M model gained 34-74%).
+    """
+    cores = len(os.sched_getaffinity(0))
+    return cores if parameters >= COMPUTE_BOUND_PARAMETERS else max(1, cores - 1)
 
 
 @dataclass(eq=False)
@@ -88,9 +100,7 @@ class TorchEngine(Engine):
         self.dtype = DTYPES[precision]
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
-        # On CPU the forward pass leaves one core to the event loop: with every core in torch's
-        # pool, its threads and the HTTP side preempt each other and each step takes twice as long.
-        self.cpu_threads = cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        self.cpu_threads = cpu_threads  # None: chosen from the model once it is loaded
         self._load_tokenizer(max_model_len)
         # The pool's default holds every sequence at full length, as per-slot reservation did; it
         # costs only what is touched (see LlamaRunner), and NIM_KV_CACHE_TOKENS caps it.
@@ -112,7 +122,7 @@ class TorchEngine(Engine):
     def describe(self) -> str:
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
                 f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
-                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads} CPU thread(s)")
+                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads or 'auto'} CPU thread(s)")
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -153,6 +163,8 @@ class TorchEngine(Engine):
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        parameters = sum(p.numel() for p in self.model.parameters())  # before packing releases the originals
+        self.cpu_threads = self.cpu_threads or default_cpu_threads(parameters)
         self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,

@@ -86,6 +86,10 @@ def test_counters_equal_the_usage_clients_received(fresh_server):
     engine_requests += 1
     usages.append(client.completions.create(model="tiny-llama", prompt=["Maps use", "Whales"], max_tokens=9).usage)
     engine_requests += 2
+    system = "You answer in one short sentence about rivers, stones and the light of the north. " * 3
+    for question in ("Why?", "How?"):  # the second finds the shared prefix's blocks in the cache
+        usages.append(client.completions.create(model="tiny-llama", prompt=system + question, max_tokens=4).usage)
+        engine_requests += 1
 
     samples = scrape(fresh_server.url)
     prompt_total = sum(u.prompt_tokens for u in usages)
@@ -101,3 +105,7 @@ def test_counters_equal_the_usage_clients_received(fresh_server):
     assert metric(samples, "request_generation_tokens_count") == engine_requests
     assert metric(samples, "num_requests_running") == 0
     assert metric(samples, "gpu_cache_usage_perc") == 0
+    # one lookup per prompt (n choices share it), counted in tokens as vLLM counts them
+    assert metric(samples, "prefix_cache_queries_total", model_name="tiny-llama") == prompt_total
+    hits = metric(samples, "prefix_cache_hits_total", model_name="tiny-llama")
+    assert hits % 16 == 0 and hits >= 16 * (usages[-2].prompt_tokens // 16 - 1)

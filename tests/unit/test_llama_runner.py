@@ -92,3 +92,11 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup):
         assert torch.allclose(packed.forward(chunks), runner.forward(chunks), atol=ATOL)
         decode = [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
+
+
+def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeypatch):
+    from service.engine import torch_engine
+
+    monkeypatch.setattr(torch_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    assert torch_engine.default_cpu_threads(400_000) == 3, "the tiny model leaves a core to HTTP"
+    assert torch_engine.default_cpu_threads(76_000_000) == 4
