@@ -25,28 +25,15 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import write_result
-from benchmarks.vllm_backend import make_76m_llama, spec, start
+from benchmarks.vllm_backend import make_76m_llama, measure, spec, start
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
 from factory.tinymodel import ensure_tiny_model
-from factory.verify.load import LoadSettings, run_load, summarize, synthetic_prompt
+from factory.verify.load import LoadSettings, synthetic_prompt
 
 LEVELS = (1, 8, 16)
 PREFIX_LEVELS = (1, 4)
 PREFIX_TOKENS = 480
-
-
-def measure(url: str, settings: LoadSettings, levels) -> dict:
-    result = {}
-    for level in levels:
-        run = LoadSettings(**{**settings.__dict__, "concurrency": level, "requests": max(16, 4 * level)})
-        records, wall = asyncio.run(run_load(url, run))
-        summary = summarize(records, wall, {})
-        result[level] = {"output_tok_s": round(summary["output_token_throughput"]["avg"], 1),
-                         "ttft_p50_ms": round(summary["time_to_first_token"]["p50"], 1),
-                         "prompt_tokens": round(summary["input_sequence_length"]["avg"]),
-                         "errors": summary["error_request_count"]["avg"]}
-    return result
 
 
 def shared_prefix(model_dir: Path, tokens: int) -> str:
@@ -63,11 +50,10 @@ def shared_prefix(model_dir: Path, tokens: int) -> str:
 def run_engine(client, image: str, model_dir: Path | None, weights: Path, env: dict | None = None) -> dict:
     running, ready_s = start(client, image, model_dir=model_dir, env=env)
     try:
-        plain = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
         prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
                                 prefix=shared_prefix(weights, PREFIX_TOKENS))
-        return {"start_to_ready_s": round(ready_s, 1), "levels": measure(running.url, plain, LEVELS),
-                "shared_prefix": measure(running.url, prefixed, PREFIX_LEVELS)}
+        return {"start_to_ready_s": round(ready_s, 1), "levels": measure(running.url, LEVELS),
+                "shared_prefix": measure(running.url, PREFIX_LEVELS, prefixed)}
     finally:
         running.stop()
 

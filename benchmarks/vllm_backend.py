@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -84,15 +85,19 @@ def start(client, image: str, model_dir: Path | None = None, env: dict[str, str]
     return running, time.perf_counter() - began
 
 
-def measure(url: str, model: str, levels=LEVELS, output_tokens: int = 64, per_stream: int = 4) -> dict:
+PLAIN_LOAD = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
+
+
+def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream: int = 4) -> dict:
+    """Output tok/s, TTFT p50 and prompt length at each concurrency level, `per_stream` requests a client."""
     result = {}
     for level in levels:
-        settings = LoadSettings(model=model, prompt_tokens=32, output_tokens=output_tokens,
-                                requests=max(4 * per_stream, per_stream * level), concurrency=level)
+        settings = dataclasses.replace(load, requests=max(4 * per_stream, per_stream * level), concurrency=level)
         records, wall = asyncio.run(run_load(url, settings))
         summary = summarize(records, wall, {})
         result[level] = {"output_tok_s": round(summary["output_token_throughput"]["avg"], 1),
                          "ttft_p50_ms": round(summary["time_to_first_token"]["p50"], 1),
+                         "prompt_tokens": round(summary["input_sequence_length"]["avg"]),
                          "errors": summary["error_request_count"]["avg"]}
     return result
 
@@ -105,13 +110,13 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
         ip = running.container.attrs["NetworkSettings"]["IPAddress"]
         doors = {"vllm_direct": running.engine_url(), "runtime_in_front": f"http://{ip}:{PORT}"}
         for url in doors.values():
-            measure(url, "tiny-llama")  # both doors once, unmeasured: the batch shapes are compiled
+            measure(url)  # both doors once, unmeasured: the batch shapes are compiled
         alternating = asyncio.run(alternating_requests(doors, 40 * rounds))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
                 order = list(doors) if round_ % 2 == 0 else list(doors)[::-1]
-                pairs[level].append({name: measure(doors[name], "tiny-llama", (level,))[level] for name in order})
+                pairs[level].append({name: measure(doors[name], (level,))[level] for name in order})
     finally:
         running.stop()
     return {"rounds": rounds, "target": "tok/s ratio >= 0.95 and TTFT ratio <= 1.05",
@@ -166,7 +171,7 @@ def part_b(client, images: dict[str, str], models: dict[str, Path | None]) -> di
             running, ready_s = start(client, image, model_dir=model_dir)
             try:
                 result.setdefault(model_name, {})[engine] = {"start_to_ready_s": round(ready_s, 1),
-                                                             "levels": measure(running.url, "tiny-llama", (1, 8))}
+                                                             "levels": measure(running.url, (1, 8))}
             finally:
                 running.stop()
         pair = result[model_name]

@@ -34,7 +34,7 @@ def token_buckets(max_model_len: int) -> list[float]:
         exponent += 1
 
 
-class _EngineGauges(Collector):
+class _EngineStats(Collector):
     def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.model_name, self.stats = model_name, stats
 
@@ -63,7 +63,7 @@ class ServiceMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels, reg, name = ["model_name"], self.registry, model_name
-        self.registry.register(_EngineGauges(model_name, stats))
+        self.registry.register(_EngineStats(model_name, stats))
         # Children are bound to the model name now, so every series is exported from the start.
         self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg).labels(name)
         self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels,

@@ -25,14 +25,17 @@ class Block:
     key: BlockKey | None = None  # set while the block is in the prefix cache
 
 
+def chain_key(previous: BlockKey | None, tokens: list[int]) -> BlockKey:
+    """A full block's key: its tokens, and (through the previous key's hash) every block before it."""
+    return (0 if previous is None else hash(previous), tuple(tokens))
+
+
 def block_keys(tokens: list[int], block_size: int, count: int | None = None) -> list[BlockKey]:
     """The chained keys of the first `count` full blocks of `tokens` (all full blocks when None)."""
     full = len(tokens) // block_size if count is None else min(count, len(tokens) // block_size)
-    keys, parent = [], 0
+    keys: list[BlockKey] = []
     for start in range(0, full * block_size, block_size):
-        key = (parent, tuple(tokens[start:start + block_size]))
-        keys.append(key)
-        parent = hash(key)
+        keys.append(chain_key(keys[-1] if keys else None, tokens[start:start + block_size]))
     return keys
 
 

@@ -115,11 +115,11 @@ class LlamaRunner:
         span = torch.arange(length, device=self.device)
         # Cache rows of each sequence's positions 0..length-1 (rows past its own end are masked).
         rows = tables[:, span // self.block_size] * self.block_size + span % self.block_size  # [batch, length]
-        valid = (torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)).flatten()
         written = rows.gather(1, positions.clamp(max=length - 1)).flatten()  # where the new tokens go
-        # Index tensors, not masks: index_select/index_copy_ are the fast gathers on CPU.
-        valid = None if width == 1 else valid.nonzero().squeeze(1)
-        if valid is not None:
+        valid = None  # decodes: every query is a real token
+        if width > 1:  # the real (unpadded) queries, as indices: index_select/index_copy_ are fast on CPU
+            valid = (torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)).flatten()
+            valid = valid.nonzero().squeeze(1)
             written = written.index_select(0, valid)
         if batch == 1 and width == 1:
             mask, causal = None, False  # one query sees every key

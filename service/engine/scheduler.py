@@ -25,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.kv_blocks import Block, BlockKey, BlockPool, block_keys
+from service.engine.base import RequestTooLargeError
+from service.engine.kv_blocks import Block, BlockKey, BlockPool, chain_key
 
 
 @dataclass(eq=False)
@@ -51,13 +52,15 @@ class Request:
     request_id: str
     prompt: list[int]
     n: int = 1
+    max_len: int = 0  # the most tokens (prompt and output) a choice may reach; 0: the prompt and one more
     owner: Any = None  # the engine's record of the request
-    seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # the choices past the first have their own blocks
+    seqs: list[Sequence] = field(init=False)
+    forked: bool = field(init=False)  # the choices past the first have their own blocks
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, i, list(self.prompt)) for i in range(self.n)]
         self.forked = self.n == 1
+        self.max_len = self.max_len or len(self.prompt) + 1
 
     def active(self) -> list[Sequence]:
         """The sequences scheduled on their own: all of them, or only the leader before the fork."""
@@ -95,10 +98,17 @@ class Scheduler:
         self.preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        need = request.n * self.pool.blocks_for(len(request.prompt) + 1)
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could not run even alone: its choices at their longest need more blocks
+        than the cache has (sharing the prompt's would save some; the bound need not be tight)."""
+        need = request.n * self.pool.blocks_for(request.max_len)
         if need > self.pool.num_blocks:
-            raise ValueError(f"the prompt needs {need} KV-cache blocks; the cache has {self.pool.num_blocks}")
+            raise RequestTooLargeError(
+                f"{request.n} choice(s) of {request.max_len} tokens need {need} KV-cache blocks of "
+                f"{self.pool.block_size} tokens; the cache has {self.pool.num_blocks} (NIM_KV_CACHE_TOKENS)")
+
+    def add(self, request: Request) -> None:
+        """Queue a request that `check_fits` accepted."""
         self.waiting.append(request)
 
     def finish(self, request: Request) -> None:
@@ -200,7 +210,7 @@ class Scheduler:
         self.prefix_queries += len(seq.tokens)
         self.prefix_hits += len(hit) * self.pool.block_size
         seq.blocks, seq.computed = hit, len(hit) * self.pool.block_size
-        seq.keys = block_keys(seq.tokens, self.pool.block_size, len(hit))
+        seq.keys = [block.key for block in hit]  # found in the cache, so keyed already
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and requeue it first; it is recomputed from its tokens."""
@@ -232,7 +242,6 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence) -> None:
         size = self.pool.block_size
         for index in range(len(seq.keys), seq.computed // size):
-            parent = hash(seq.keys[-1]) if seq.keys else 0
-            key = (parent, tuple(seq.tokens[index * size:(index + 1) * size]))
+            key = chain_key(seq.keys[-1] if seq.keys else None, seq.tokens[index * size:(index + 1) * size])
             seq.keys.append(key)
             self.pool.cache(seq.blocks[index], key)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 QueueFullError, RequestTooLargeError, SamplingParams)
+                                 QueueFullError, SamplingParams)
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
@@ -123,6 +123,7 @@ class TorchEngine(Engine):
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
                 f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
                 f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads or 'auto'} CPU thread(s)")
+
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -190,16 +191,12 @@ class TorchEngine(Engine):
             raise EngineError(self._dead or "the engine is not ready")
         params, prompt = request.params, request.prompt_token_ids
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-        need = params.n * self.pool.blocks_for(len(prompt) + max_new)
-        if need > self.pool.num_blocks:
-            raise RequestTooLargeError(
-                f"{params.n} choice(s) of {len(prompt) + max_new} tokens need {need} KV-cache blocks of "
-                f"{BLOCK_SIZE} tokens; the cache has {self.pool.num_blocks} (NIM_KV_CACHE_TOKENS)")
+        scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new)
+        self.scheduler.check_fits(scheduled)  # RequestTooLargeError: a 400 before anything is queued
         outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
         state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
-                              [make_generator(params, i, self.device) for i in range(params.n)],
-                              Request(request.request_id, prompt, params.n))
-        state.scheduled.owner = state
+                              [make_generator(params, i, self.device) for i in range(params.n)], scheduled)
+        scheduled.owner = state
         with self._cond:
             waiting = len(self._incoming) + len(self.scheduler.waiting)
             if waiting >= self.max_queue:

@@ -155,7 +155,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
 
 def test_a_request_larger_than_the_cache_is_refused():
     with pytest.raises(ValueError, match="blocks"):
-        make(num_blocks=2).add(Request("big", prompt(20)))
+        make(num_blocks=2).check_fits(Request("big", prompt(20)))
 
 
 def test_a_forked_request_that_no_longer_fits_waits_instead_of_looping():
