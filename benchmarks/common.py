@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -32,7 +33,9 @@ def summarize(latencies: list[float], wall: float) -> dict:
 
 
 def machine() -> dict:
-    return {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,
+    """The machine a result was measured on: cores this process may use, not torch's thread setting
+    (a benchmark may have changed that)."""
+    return {"cpu_count": len(os.sched_getaffinity(0)), "platform": platform.platform(), "torch": torch.__version__,
             "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
