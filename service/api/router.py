@@ -21,8 +21,10 @@ def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def require_api_key(request: Request) -> None:
-    """With NIM_API_KEY set, inference routes need `Authorization: Bearer <key>`."""
+async def require_api_key(request: Request) -> None:
+    """With NIM_API_KEY set, inference routes need `Authorization: Bearer <key>`. The dependencies are
+    async because they never block: FastAPI runs a plain `def` one in its thread pool, two thread
+    hops on every inference request."""
     key = runtime(request).settings.api_key
     if not key:
         return
@@ -32,7 +34,7 @@ def require_api_key(request: Request) -> None:
                            headers={"WWW-Authenticate": "Bearer"})
 
 
-def refuse_while_draining(request: Request) -> None:
+async def refuse_while_draining(request: Request) -> None:
     if runtime(request).draining:
         raise ServingError(503, "the server is shutting down", headers={"Retry-After": "1"})
 
