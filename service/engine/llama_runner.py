@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from service.profiles import Hardware, cpu_flags
 
@@ -23,6 +22,11 @@ from service.profiles import Hardware, cpu_flags
 # before attention and MLP, rotary positions); biases on the projections (Qwen2) are in the modules.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 PACK_BATCH_HINT = 16  # the rows oneDNN lays a packed weight out for; any count works
+# Below this many elements a weight stays unpacked: oneDNN's packed call costs about 50 us more
+# than F.linear whatever the shape, which a small GEMM never wins back (fp32, one thread, 1-16
+# rows: 128x384 and 256x768 ran 1.1-4x slower packed, 384x1152 broke even, 512x1536 ran 1.4-1.9x
+# faster from 8 rows).
+PACK_MIN_ELEMENTS = 2**19
 
 
 class UnsupportedModel(ValueError):
@@ -154,18 +158,18 @@ class LlamaRunner:
             cos, sin = self.model.model.rotary_emb(hidden, positions)
         else:
             cos, sin = self.rope_table[0][positions], self.rope_table[1][positions]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [batch, count, 1, head_dim]: every head
         batch, count = ids.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             mlp = layer.mlp
             linears = self.linears[index]
             x = _rms_norm(layer.input_layernorm, hidden)
-            q, k, v = linears["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(batch, count, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            qk, v = linears["qkv"](x).split([q_size + kv_size, kv_size], dim=-1)
+            qk = _rotate(qk.view(batch, count, -1, self.head_dim), cos, sin)  # q's and k's heads at once
+            q = qk[:, :, :self.num_heads].transpose(1, 2)
+            k = qk[:, :, self.num_heads:].reshape(batch * count, self.num_kv_heads, self.head_dim)
             v = v.reshape(batch * count, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k = k.transpose(1, 2).reshape(batch * count, self.num_kv_heads, self.head_dim)
             if valid is not None:  # padded queries are never written
                 k, v = k.index_select(0, valid), v.index_select(0, valid)
             keys, values = self.keys[index], self.values[index]
@@ -188,8 +192,16 @@ class LlamaRunner:
 
 def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm as one fused op, computed in float32 as transformers does."""
+    if hidden.dtype == torch.float32:  # the same arithmetic in one call: no casts, the weight inside
+        return F.rms_norm(hidden, norm.weight.shape, norm.weight, eps=norm.variance_epsilon)
     out = F.rms_norm(hidden.float(), norm.weight.shape, eps=norm.variance_epsilon)
     return norm.weight * out.to(hidden.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions (transformers' apply_rotary_pos_emb) on [batch, count, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -201,18 +213,18 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """x @ W.T + b, with W optionally packed for oneDNN once at load.
+    """x @ W.T + b, with a large W packed for oneDNN once at load.
 
     With few rows (a decode batch), oneDNN's kernels on a weight already in their blocked layout run
     about 1.8x faster than F.linear, which lays the weight out again on every call (measured for
     the 76M benchmark model's shapes at batch 8 and 16 on 2 cores); vLLM's CPU build packs its
-    weights the same way.
+    weights the same way. A small weight (the tiny model's) is faster unpacked: see PACK_MIN_ELEMENTS.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, modules=()) -> None:
         self.bias = bias
-        self.packed = pack
-        if pack:
+        self.packed = pack and weight.numel() >= PACK_MIN_ELEMENTS
+        if self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             for module in modules:  # the packed copy is the only one kept
                 module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.engine.llama_runner import LlamaRunner, UnsupportedModel
+from service.engine import llama_runner
+from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack
 
 ATOL = 1e-4
 
@@ -80,8 +81,9 @@ def test_unsupported_architecture_is_refused(setup):
         model.config.model_type = "llama"
 
 
-def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup):
+def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypatch):
     tokenizer, _, runner = setup
+    monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are below it
     packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
     if not packed.linears[0]["qkv"].packed:
         pytest.skip("torch has no oneDNN here")
@@ -92,6 +94,16 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup):
         assert torch.allclose(packed.forward(chunks), runner.forward(chunks), atol=ATOL)
         decode = [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
+
+
+def test_only_weights_large_enough_to_gain_are_packed():
+    if not can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("torch has no oneDNN here")
+    small, large = torch.randn(384, 128), torch.randn(1536, 512)
+    assert not Linear(small, None, pack=True).packed
+    assert Linear(large, None, pack=True).packed
+    x = torch.randn(1, 3, 512)
+    assert torch.allclose(Linear(large.clone(), None, pack=True)(x), x @ large.T, atol=1e-4)
 
 
 def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeypatch):
