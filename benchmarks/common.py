@@ -23,6 +23,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def spread(values: list[float]) -> dict:
+    """Median and quartiles: how paired ratios from rounds on a drifting machine are reported."""
+    q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
+
+
 def summarize(latencies: list[float], wall: float) -> dict:
     return {
         "requests": len(latencies),

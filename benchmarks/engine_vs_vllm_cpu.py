@@ -7,13 +7,17 @@ loop, ignore_eos, greedy):
   and 16: output tok/s and TTFT p50;
 - a shared-prefix workload: every prompt starts with the same ~480-token text (a system prompt),
   at concurrency 1 and 4, with the torch engine's prefix caching on and off, and vLLM's on;
-- the torch engine's forward pass at its default threads against every core (NIM_CPU_THREADS). The
-  default leaves one core to HTTP only below 10M parameters; on the 76M model the two runs are the
-  same configuration twice, and their ratio reads as the run-to-run noise;
+- on the tiny model, the torch engine's forward pass at its default threads against every core
+  (NIM_CPU_THREADS): the default leaves one core to HTTP below 10M parameters (the 76M model's
+  default already takes every core);
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512,
   against a slot of max_model_len per sequence (what the engine reserved before paging).
 
-    python -m benchmarks.engine_vs_vllm_cpu [--models tiny,llama-76m]
+All of a model's configurations run at once, each idle while another is measured, for `--rounds`
+rounds; in each round every level measures them back to back, in an order that rotates. Values
+are medians over rounds; ratios are the median and quartiles of the per-round paired ratios.
+
+    python -m benchmarks.engine_vs_vllm_cpu [--models tiny,llama-76m] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,12 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from benchmarks.common import write_result
+from benchmarks.common import spread, write_result
 from benchmarks.vllm_backend import make_76m_llama, measure, spec, start
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -49,27 +52,59 @@ def shared_prefix(model_dir: Path, tokens: int) -> str:
     return " ".join(words) + " "
 
 
-def run_engine(client, image: str, model_dir: Path | None, weights: Path, env: dict | None = None) -> dict:
-    running, ready_s = start(client, image, model_dir=model_dir, env=env)
+def rotated(names: list[str], turn: int) -> list[str]:
+    """Each round starts with the next engine, so none is always measured first."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
+
+
+def compare(client, images: dict[str, str], model_dir: Path | None, weights: Path, rounds: int) -> dict:
+    """Every configuration running at once, idle while another is measured: in each round, each level
+    measures them back to back, so a pair shares the machine's state (this VM's CPU steal drifts over
+    minutes), and each ratio is the median over rounds of the paired ratios."""
+    configs = {"torch": ("torch", {}), "torch_no_prefix_cache": ("torch", {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
+               "vllm": ("vllm", {})}
+    if model_dir is None:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
+        configs["torch_all_cores"] = ("torch", {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))})
+    plain, prefix_engines = [name for name in configs if name != "torch_no_prefix_cache"], ["torch", "torch_no_prefix_cache", "vllm"]
+    prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
+                            prefix=shared_prefix(weights, PREFIX_TOKENS))
+    running, ready_s = {}, {}
     try:
-        prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
-                                prefix=shared_prefix(weights, PREFIX_TOKENS))
-        return {"start_to_ready_s": round(ready_s, 1), "levels": measure(running.url, LEVELS),
-                "shared_prefix": measure(running.url, PREFIX_LEVELS, prefixed)}
+        for name, (image, env) in configs.items():
+            running[name], ready_s[name] = start(client, images[image], model_dir=model_dir, env=env)
+            measure(running[name].url, (max(LEVELS),), per_stream=1)  # warm-up: batch shapes, first-call costs
+        levels = {name: {level: [] for level in LEVELS} for name in plain}
+        shared = {name: {level: [] for level in PREFIX_LEVELS} for name in prefix_engines}
+        for turn in range(rounds):
+            for level in LEVELS:
+                for name in rotated(plain, turn):
+                    levels[name][level].append(measure(running[name].url, (level,))[level])
+            for level in PREFIX_LEVELS:
+                for name in rotated(prefix_engines, turn):
+                    shared[name][level].append(measure(running[name].url, (level,), prefixed)[level])
     finally:
-        running.stop()
+        for model in running.values():
+            model.stop()
+    return {"start_to_ready_s": {name: round(s, 1) for name, s in ready_s.items()},
+            "levels": {name: medians(runs) for name, runs in levels.items()},
+            "shared_prefix": {name: medians(runs) for name, runs in shared.items()},
+            "ratios": {**{f"tok_s_{name}_over_vllm": paired(levels[name], levels["vllm"], "output_tok_s")
+                          for name in plain if name != "vllm"},
+                       "ttft_p50_torch_over_vllm": paired(levels["torch"], levels["vllm"], "ttft_p50_ms"),
+                       "shared_prefix_ttft_p50_cached_over_uncached":
+                           paired(shared["torch"], shared["torch_no_prefix_cache"], "ttft_p50_ms"),
+                       "shared_prefix_ttft_p50_torch_over_vllm": paired(shared["torch"], shared["vllm"], "ttft_p50_ms")},
+            "rounds": {"levels": levels, "shared_prefix": shared}}
 
 
-def ratios(torch_run: dict, all_cores: dict, vllm_run: dict) -> dict:
-    def ratio(a: dict, b: dict, key: str) -> float:
-        return round(a[key] / b[key], 2)
+def medians(runs: dict[int, list[dict]]) -> dict:
+    return {level: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for level, rs in runs.items()}
 
-    return {"tok_s_all_cores_over_default": {
-                lvl: ratio(all_cores["levels"][lvl], torch_run["levels"][lvl], "output_tok_s") for lvl in LEVELS},
-            "tok_s_torch_over_vllm": {lvl: ratio(torch_run["levels"][lvl], vllm_run["levels"][lvl], "output_tok_s")
-                                      for lvl in LEVELS},
-            "ttft_p50_torch_over_vllm": {lvl: ratio(torch_run["levels"][lvl], vllm_run["levels"][lvl], "ttft_p50_ms")
-                                         for lvl in LEVELS}}
+
+def paired(a: dict[int, list[dict]], b: dict[int, list[dict]], key: str) -> dict:
+    """Per level, the spread over rounds of a/b, each round's pair measured back to back."""
+    return {level: spread([x[key] / y[key] for x, y in zip(a[level], b[level])]) for level in a}
 
 
 def kv_memory() -> dict:
@@ -97,14 +132,39 @@ def kv_memory() -> dict:
     return asyncio.run(held())
 
 
+def table(result: dict) -> str:
+    """The medians over rounds, and the median [quartiles] of the paired ratios."""
+    def ratio(spread: dict) -> str:
+        return f"{spread['median']:.2f} [{spread['q1']:.2f}, {spread['q3']:.2f}]"
+
+    lines = ["model  level  torch tok/s  vLLM tok/s  torch/vLLM tok/s    torch TTFT  vLLM TTFT  torch/vLLM TTFT"]
+    for name, run in result.items():
+        if not isinstance(run, dict) or "levels" not in run:
+            continue
+        torch_, vllm, ratios = run["levels"]["torch"], run["levels"]["vllm"], run["ratios"]
+        for level in LEVELS:
+            lines.append(f"{name}  {level}  {torch_[level]['output_tok_s']:.1f}  {vllm[level]['output_tok_s']:.1f}  "
+                         f"{ratio(ratios['tok_s_torch_over_vllm'][level])}  {torch_[level]['ttft_p50_ms']:.1f} ms  "
+                         f"{vllm[level]['ttft_p50_ms']:.1f} ms  {ratio(ratios['ttft_p50_torch_over_vllm'][level])}")
+        shared = run["shared_prefix"]
+        for level in PREFIX_LEVELS:
+            lines.append(f"{name} shared prefix c={level}: TTFT p50 cached {shared['torch'][level]['ttft_p50_ms']:.1f} ms, "
+                         f"uncached {shared['torch_no_prefix_cache'][level]['ttft_p50_ms']:.1f} ms, vLLM "
+                         f"{shared['vllm'][level]['ttft_p50_ms']:.1f} ms; cached/uncached "
+                         f"{ratio(ratios['shared_prefix_ttft_p50_cached_over_uncached'][level])}, cached/vLLM "
+                         f"{ratio(ratios['shared_prefix_ttft_p50_torch_over_vllm'][level])}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,llama-76m")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     stack_up()
     client = docker_client()
-    result: dict = {"kv_memory_32x64_at_512": kv_memory()}
+    result: dict = {"rounds": args.rounds, "kv_memory_32x64_at_512": kv_memory()}
     with tempfile.TemporaryDirectory() as tmp:
         specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
@@ -113,25 +173,10 @@ def main() -> None:
         models = {"tiny": None, "llama-76m": make_76m_llama(shared / "llama-76m")}
         for name in args.models.split(","):
             model_dir = models[name]
-            weights = model_dir or ensure_tiny_model()
-            runs = {"torch": run_engine(client, images["torch"], model_dir, weights),
-                    "torch_no_prefix_cache": run_engine(client, images["torch"], model_dir, weights,
-                                                        {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
-                    # every core in the forward pass: the tiny model's default leaves one to HTTP
-                    "torch_all_cores": run_engine(client, images["torch"], model_dir, weights,
-                                                  {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))}),
-                    "vllm": run_engine(client, images["vllm"], model_dir, weights)}
-            runs.update(ratios(runs["torch"], runs["torch_all_cores"], runs["vllm"]))
-            prefix = {engine: runs[engine]["shared_prefix"][1]["ttft_p50_ms"]
-                      for engine in ("torch", "torch_no_prefix_cache", "vllm")}
-            runs["shared_prefix_ttft_p50_c1"] = {
-                **prefix, "cached_over_uncached": round(prefix["torch"] / prefix["torch_no_prefix_cache"], 3),
-                "torch_over_vllm": round(prefix["torch"] / prefix["vllm"], 3)}
-            result[name] = runs
+            result[name] = compare(client, images, model_dir, model_dir or ensure_tiny_model(), args.rounds)
             path = write_result("engine_vs_vllm_cpu", result, args.out)
-    print(yaml.safe_dump(result, sort_keys=False))
+    print(table(result))
     print(path)
-
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.common import write_result
+from benchmarks.common import spread, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -154,10 +154,6 @@ def paired_ratios(pairs: list[dict]) -> dict:
     """Median and quartiles of runtime/direct per pair, with the medians of each door."""
     def ratios(key: str) -> list[float]:
         return [p["runtime_in_front"][key] / p["vllm_direct"][key] for p in pairs]
-
-    def spread(values: list[float]) -> dict:
-        q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-        return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
 
     return {"output_tok_s": spread(ratios("output_tok_s")), "ttft_p50": spread(ratios("ttft_p50_ms")),
             **{door: {key: statistics.median(p[door][key] for p in pairs) for key in ("output_tok_s", "ttft_p50_ms")}
