@@ -10,8 +10,6 @@ loop, ignore_eos, greedy):
 - on the tiny model, the torch engine's forward pass at its default threads against every core
   (NIM_CPU_THREADS): the default leaves one core to HTTP below 10M parameters (the 76M model's
   default already takes every core);
-- on the tiny model, vLLM with its automatic OpenMP binding, which the runtime turns off on 2
-  cores or fewer;
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512,
   against a slot of max_model_len per sequence (what the engine reserved before paging).
 
@@ -66,11 +64,8 @@ def compare(client, images: dict[str, str], model_dir: Path | None, weights: Pat
     minutes), and each ratio is the median over rounds of the paired ratios."""
     configs = {"torch": ("torch", {}), "torch_no_prefix_cache": ("torch", {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
                "vllm": ("vllm", {})}
-    if model_dir is None:  # the defaults' alternatives, on the model where each step is cheapest
-        # the tiny model's default leaves one core to HTTP; the 76M model's takes all
+    if model_dir is None:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
         configs["torch_all_cores"] = ("torch", {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))})
-        # the runtime unbinds vLLM's OpenMP threads on 2 cores or fewer (service/engine/vllm_process.py)
-        configs["vllm_bind_auto"] = ("vllm", {"VLLM_CPU_OMP_THREADS_BIND": "auto"})
     plain, prefix_engines = [name for name in configs if name != "torch_no_prefix_cache"], ["torch", "torch_no_prefix_cache", "vllm"]
     prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
                             prefix=shared_prefix(weights, PREFIX_TOKENS))

@@ -34,10 +34,6 @@ RUNTIME_ARGS = frozenset({"max_queue", "cpu_threads", "kv_cache_tokens"})
 START_TIMEOUT_S = 1800.0  # weights download and warm-up compile on big models; the startup probe bounds it
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 20.0
-# On this few cores, vLLM's automatic OpenMP binding (one core reserved for its scheduler, the
-# forward pass pinned to the rest) stalls a request that comes right after another: the tiny model
-# on 2 cores, back-to-back requests on one connection, TTFT p50 238 ms bound against 14 ms unbound.
-UNBOUND_CPU_CORES = 2
 
 
 def _flag(name: str) -> str:
@@ -68,15 +64,6 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
         elif value is not None:
             out += [_flag(name), json.dumps(value) if isinstance(value, dict | list) else str(value)]
     return out + shlex.split(settings.passthrough_args)
-
-
-def child_environment(environ: dict[str, str], cores: int) -> dict[str, str]:
-    """The runtime's environment without secrets, plus defaults the user's own values override."""
-    env = {k: v for k, v in environ.items() if k not in SECRET_ENV}
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
-    if cores <= UNBOUND_CPU_CORES:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # read by vLLM's CPU backend only
-    return env
 
 
 def _die_with_parent() -> None:
@@ -121,7 +108,8 @@ class VllmEngine(ProcessEngine):
         import httpx
 
         log.info("starting vLLM: %s", self.describe())
-        env = child_environment(dict(os.environ), len(os.sched_getaffinity(0)))
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
         self._proc = await asyncio.create_subprocess_exec(
             *self.command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from service.api.proxy import Observed, _event, _relay
 from service.engine.base import EngineStats
-from service.engine.vllm_process import child_environment, gauges_from_vllm, vllm_arguments
+from service.engine.vllm_process import gauges_from_vllm, vllm_arguments
 from service.manifest import Profile, ProfileTags
 from service.metrics import ServiceMetrics
 from service.settings import load_settings
@@ -34,14 +34,6 @@ def test_profile_tags_become_vllm_flags():
     assert "--max-queue" not in args  # the runtime's own bound, not vLLM's
     assert (flag(args, "--max-model-len"), flag(args, "--max-num-seqs")) == ("4096", "16")
     assert "--enable-prefix-caching" in args
-
-
-def test_the_child_runs_unbound_on_two_cores_unless_told_otherwise():
-    small = child_environment({"NIM_API_KEY": "secret", "PATH": "/bin"}, cores=2)
-    assert small["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and small["VLLM_NO_USAGE_STATS"] == "1"
-    assert "NIM_API_KEY" not in small and small["PATH"] == "/bin"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in child_environment({}, cores=16)
-    assert child_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, cores=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_fp8_profiles_quantize_and_structured_args_are_json():
