@@ -85,6 +85,7 @@ def start(client, image: str, model_dir: Path | None = None, env: dict[str, str]
     return running, time.perf_counter() - began
 
 
+REQUEST_GAP_S = 0.2  # see alternating_requests
 PLAIN_LOAD = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
 
 
@@ -126,7 +127,11 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
 
 async def alternating_requests(doors: dict[str, str], requests: int) -> dict:
     """Concurrency 1, consecutive requests alternating between the doors with the same prompts: both
-    see the machine in the same state, request by request. Medians of TTFT and inter-token latency."""
+    see the machine in the same state, request by request. Medians of TTFT and inter-token latency.
+
+    Each request follows a pause of REQUEST_GAP_S: on 2 cores, vLLM (OpenMP-bound, its default)
+    stalls a request that arrives within ~100 ms of the previous one's end by about 200 ms, through
+    either door, and those stalls, not the runtime, made this comparison's TTFT bimodal."""
     settings = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
     names = list(doors)
     seen: dict[str, list] = {name: [] for name in names}
@@ -134,6 +139,7 @@ async def alternating_requests(doors: dict[str, str], requests: int) -> dict:
         clients = {name: await stack.enter_async_context(httpx.AsyncClient(base_url=url)) for name, url in doors.items()}
         for i in range(requests):
             name = names[(i + i // 2) % 2]  # direct, runtime, runtime, direct, ...: neither always goes first
+            await asyncio.sleep(REQUEST_GAP_S)
             record = await one_request(clients[name], settings, i // 2)
             if record.error is None:
                 seen[name].append(record)
