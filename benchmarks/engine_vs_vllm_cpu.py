@@ -60,13 +60,14 @@ def rotated(names: list[str], turn: int) -> list[str]:
 
 def compare(client, images: dict[str, str], model_dir: Path | None, weights: Path, rounds: int) -> dict:
     """Every configuration running at once, idle while another is measured: in each round, each level
-    measures them back to back, so a pair shares the machine's state (this VM's CPU steal drifts over
-    minutes), and each ratio is the median over rounds of the paired ratios."""
+    measures them one after another (within seconds), so a pair shares the machine's state (this
+    VM's CPU steal drifts over minutes), and each ratio is the median over rounds of the paired ratios."""
     configs = {"torch": ("torch", {}), "torch_no_prefix_cache": ("torch", {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
                "vllm": ("vllm", {})}
     if model_dir is None:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
         configs["torch_all_cores"] = ("torch", {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))})
-    plain, prefix_engines = [name for name in configs if name != "torch_no_prefix_cache"], ["torch", "torch_no_prefix_cache", "vllm"]
+    plain = [name for name in configs if name != "torch_no_prefix_cache"]
+    prefix_engines = ["torch", "torch_no_prefix_cache", "vllm"]
     prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
                             prefix=shared_prefix(weights, PREFIX_TOKENS))
     running, ready_s = {}, {}
