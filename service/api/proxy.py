@@ -99,7 +99,8 @@ async def forward(request: Request) -> Response:
 
     rt = runtime(request)
     engine: ProcessEngine = rt.engine  # type: ignore[assignment]
-    generates = PROXIED[request.url.path]
+    path = request.url.path
+    generates = PROXIED[path]
     if not rt.ready:
         raise ServingError(503, rt.not_ready_reason(), headers=RETRY)
     if generates and rt.in_flight >= engine.max_num_seqs + engine.max_queue:
@@ -109,21 +110,21 @@ async def forward(request: Request) -> Response:
     payload = _json(body)
     streaming = isinstance(payload, dict) and payload.get("stream") is True
     wants_usage = streaming and bool((payload.get("stream_options") or {}).get("include_usage"))
-    if streaming and generates and request.url.path != "/v1/responses":
+    if streaming and generates and path != "/v1/responses":
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         body = json.dumps(payload).encode()
-    upstream = engine.client.build_request("POST", request.url.path, content=body, headers=_headers(request),
-                                           params=request.query_params)
+    if query := request.url.query:
+        path = f"{path}?{query}"
     observed = Observed()
     rt.in_flight += 1
     try:
-        response = await cancel_on_disconnect(request, engine.client.send(upstream, stream=True))
+        response = await cancel_on_disconnect(request, _post(engine.client, path, body, _headers(request)))
     except Exception as exc:
         rt.in_flight -= 1
         if generates:
             observed.record(rt.metrics, "error")
         raise ServingError(503, f"the engine did not answer: {type(exc).__name__}", headers=RETRY) from None
-    if not hasattr(response, "aiter_lines"):  # the client went away before the engine answered
+    if isinstance(response, Response):  # the client went away before the engine answered
         rt.in_flight -= 1
         if generates:
             observed.record(rt.metrics, "abort")
@@ -131,27 +132,33 @@ async def forward(request: Request) -> Response:
     media = response.headers.get("content-type", "application/json")
     if not media.startswith("text/event-stream"):
         try:
-            content = await response.aread()
+            content = await response.read()
         finally:
-            await response.aclose()
+            response.release()
             rt.in_flight -= 1
-        if generates and response.status_code == 200:
+        if generates and response.status == 200:
             reply = _json(content) or {}
             observed.usage = _counts(reply.get("usage"))
             observed.finish = next((c.get("finish_reason") for c in reply.get("choices") or []), None)
             observed.record(rt.metrics)
-        elif generates and response.status_code >= 500:
+        elif generates and response.status >= 500:
             observed.record(rt.metrics, "error")
-        return Response(content, status_code=response.status_code, media_type=media)
+        return Response(content, status_code=response.status, media_type=media)
     return StreamingResponse(_relay(rt, response, observed, wants_usage or not generates),
-                             status_code=response.status_code, media_type="text/event-stream",
+                             status_code=response.status, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
+async def _post(client, path: str, body: bytes, headers: dict[str, str]):
+    """The engine's response, its headers read and its body not yet (an aiohttp ClientResponse)."""
+    return await client.post(path, data=body, headers=headers)
+
+
 async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
-    """SSE events as they arrive; the usage-only chunk the runtime asked for is dropped when the
-    client did not ask for it. The request is settled (metrics, in flight) before its final event
-    is sent, so a client that has it sees metrics that count it and may close at once."""
+    """SSE events as they arrive: what one read from the engine brought is sent on in one piece, the
+    events' bytes as the engine wrote them; the usage-only chunk the runtime asked for is dropped
+    when the client did not ask for it. The request is settled (metrics, in flight) before its final
+    event is sent, so a client that has it sees metrics that count it and may close at once."""
     settled = False
 
     def settle(failure: str | None) -> None:
@@ -161,41 +168,43 @@ async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
             rt.in_flight -= 1
             observed.record(rt.metrics, failure)
 
-    failure, lines = "abort", []
+    failure, pending = "abort", b""
     try:
-        async for line in response.aiter_lines():
-            if line:
-                lines.append(line)
-                continue
-            event, lines = _event(lines, observed, keep_usage_chunk), []
+        async for data in response.content.iter_any():
+            *events, pending = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
+            out = b"".join(_event(raw, observed, keep_usage_chunk) for raw in events)
             if observed.ended:
                 settle(None)
-            if event:
-                yield event
-        if event := _event(lines, observed, keep_usage_chunk):
-            yield event
+            if out:
+                yield out
+        if pending.strip() and (last := _event(pending, observed, keep_usage_chunk)):
+            yield last
         failure = None
     except Exception:
         failure = "error"
         raise
     finally:
         settle(failure)
-        await response.aclose()
+        if failure is None:
+            response.release()
+        else:
+            response.close()  # closes the connection: the engine sees the client go and aborts
 
 
-def _event(lines: list[str], observed: Observed, keep_usage_chunk: bool) -> str | None:
-    """One SSE event (its lines up to the blank one), observed for metrics; None to drop it."""
-    if not lines:
-        return None
-    if "data: [DONE]" in lines:
-        observed.ended = True
-    data = next((line[6:] for line in lines if line.startswith("data: {")), None)
-    if data is not None:
-        event = _json(data.encode()) or {}
-        observed.chunk(event)
-        if not keep_usage_chunk and event.get("usage") and not event.get("choices"):
-            return None
-    return "\n".join(lines) + "\n\n"
+def _event(raw: bytes, observed: Observed, keep_usage_chunk: bool) -> bytes:
+    """One SSE event (its lines, without the blank line that ends it), observed for metrics; the
+    bytes to send on, empty to drop it."""
+    if not raw:
+        return b""
+    for line in raw.split(b"\n"):
+        if line == b"data: [DONE]":
+            observed.ended = True
+        elif line.startswith(b"data: {"):
+            event = _json(line[6:]) or {}
+            observed.chunk(event)
+            if not keep_usage_chunk and event.get("usage") and not event.get("choices"):
+                return b""
+    return raw + b"\n\n"
 
 
 def _json(body: bytes):

@@ -140,4 +140,4 @@ class ProcessEngine(EngineBase):
     base_url: str
     command: list[str]
     max_queue: int
-    client: Any  # an httpx.AsyncClient to the child, once started
+    client: Any  # an aiohttp.ClientSession with the child, once started

@@ -74,27 +74,58 @@ def test_gauges_come_from_vllms_exposition_and_keep_the_last_values_when_absent(
 
 def test_the_usage_chunk_the_runtime_added_is_observed_then_dropped():
     observed = Observed()
-    content = ['data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}']
-    usage = ['data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}']
-    assert _event(content, observed, keep_usage_chunk=False) == content[0] + "\n\n"
-    assert _event(usage, observed, keep_usage_chunk=False) is None
-    assert _event(["data: [DONE]"], observed, keep_usage_chunk=False) == "data: [DONE]\n\n"
-    assert observed.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-    assert observed.first is not None and _event(usage, Observed(), keep_usage_chunk=True) == usage[0] + "\n\n"
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}'
+    assert _event(content, observed, keep_usage_chunk=False) == content + b"\n\n"
+    assert _event(usage, observed, keep_usage_chunk=False) == b""
+    assert _event(b"data: [DONE]", observed, keep_usage_chunk=False) == b"data: [DONE]\n\n"
+    assert observed.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4} and observed.ended
+    assert observed.first is not None and _event(usage, Observed(), keep_usage_chunk=True) == usage + b"\n\n"
 
 
 class _Upstream:
-    """The engine's streamed response, as httpx gives it (lines, then close)."""
+    """The engine's streamed response as aiohttp gives it: the body in the pieces the socket
+    delivered (an event may be split across reads, or several may come in one), then released
+    (read to the end) or closed (the connection dropped, which aborts the request in the engine)."""
 
-    def __init__(self, lines: list[str]) -> None:
-        self.lines, self.closed = lines, False
+    def __init__(self, body: bytes, cuts: tuple[int, ...] = ()) -> None:
+        self.pieces = [body[i:j] for i, j in zip((0, *cuts), (*cuts, len(body)))]
+        self.content = SimpleNamespace(iter_any=self._pieces)
+        self.ended: str | None = None
 
-    async def aiter_lines(self):
-        for line in self.lines:
-            yield line
+    async def _pieces(self):
+        for piece in self.pieces:
+            yield piece
 
-    async def aclose(self) -> None:
-        self.closed = True
+    def release(self) -> None:
+        self.ended = "released"
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+
+def _relayed(upstream: _Upstream, keep_usage_chunk: bool = False) -> tuple[list[bytes], SimpleNamespace]:
+    rt = _runtime()
+
+    async def read_all() -> list[bytes]:
+        return [piece async for piece in _relay(rt, upstream, Observed(), keep_usage_chunk)]
+
+    return asyncio.run(read_all()), rt
+
+
+def test_events_are_relayed_as_they_arrive_whatever_the_reads_cut():
+    first = b'data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'
+    second = b'data: {"choices":[{"index":0,"text":" there","finish_reason":"stop"}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    body = first + second + usage + b"data: [DONE]\n\n"
+    for cuts in ((), (10,), (len(first),), (len(first) - 1, len(first) + 1), tuple(range(1, len(body)))):
+        upstream = _Upstream(body, cuts)
+        pieces, rt = _relayed(upstream)
+        assert b"".join(pieces) == first + second + b"data: [DONE]\n\n", cuts  # the usage chunk dropped
+        assert all(pieces), "no empty writes"
+        assert (_succeeded(rt), rt.in_flight, upstream.ended) == (1, 0, "released")
+    pieces, _ = _relayed(_Upstream(body.replace(b"\n", b"\r\n"), (7,)), keep_usage_chunk=True)
+    assert b"".join(pieces) == body, "CRLF line ends are read as LF, and the usage chunk kept when asked for"
 
 
 def _runtime() -> SimpleNamespace:
@@ -113,27 +144,28 @@ def _aborted(rt) -> float:
 def test_a_stream_is_counted_before_its_final_event_reaches_the_client():
     """A client may scrape, or close, as soon as it has [DONE]: neither may find the request uncounted."""
     rt = _runtime()
-    upstream = _Upstream(['data: {"choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}', "",
-                          'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}', "",
-                          "data: [DONE]", ""])
+    events = (b'data: {"choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n')
+    upstream = _Upstream(events + b"data: [DONE]\n\n", (len(events),))
 
     async def client_leaves_on_done() -> list[str]:
         relay, seen = _relay(rt, upstream, Observed(), keep_usage_chunk=False), []
         async for event in relay:
             seen.append(event)
-            if event.startswith("data: [DONE]"):
+            if event.endswith(b"data: [DONE]\n\n"):
                 assert (_succeeded(rt), rt.in_flight) == (1, 0), "counted only after the client had [DONE]"
                 await relay.aclose()  # the client closes before the engine ends its stream
         return seen
 
     assert len(asyncio.run(client_leaves_on_done())) == 2
-    assert (_succeeded(rt), rt.in_flight, upstream.closed) == (1, 0, True)
+    assert (_succeeded(rt), rt.in_flight, upstream.ended) == (1, 0, "closed")
     assert _aborted(rt) == 0
 
 
 def test_a_client_that_leaves_mid_stream_is_an_abort_and_a_responses_stream_counts_its_usage():
     rt = _runtime()
-    upstream = _Upstream(['data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}', "", "data: [DONE]", ""])
+    first = b'data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'
+    upstream = _Upstream(first + b"data: [DONE]\n\n", (len(first),))
 
     async def leave_after_first() -> None:
         relay = _relay(rt, upstream, Observed(), keep_usage_chunk=False)
@@ -142,10 +174,10 @@ def test_a_client_that_leaves_mid_stream_is_an_abort_and_a_responses_stream_coun
 
     asyncio.run(leave_after_first())
     assert _aborted(rt) == 1
-    assert (_succeeded(rt), rt.in_flight) == (0, 0)
+    assert (_succeeded(rt), rt.in_flight, upstream.ended) == (0, 0, "closed")
 
     observed = Observed()
-    _event(["event: response.completed",
-            'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":2}}}'],
+    _event(b'event: response.completed\n'
+           b'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":2}}}',
            observed, keep_usage_chunk=False)
     assert observed.ended and observed.usage == {"prompt_tokens": 5, "completion_tokens": 2}
