@@ -4,7 +4,8 @@
     NIM_PASSTHROUGH_ARGS opens the vLLM child to the container's network, so the same vLLM
     process, warm and with the same weights, is measured directly and through the runtime, over
     the docker bridge both ways. Output tok/s and TTFT p50 at concurrency 1 and 8; the runtime's
-    cost is the ratio, taken pair by pair (runs back to back, the order alternating).
+    cost is the ratio, taken pair by pair (runs back to back, the order alternating). On the tiny
+    model (a 14 ms TTFT, where the hop's fixed cost shows most) and on the ~76M model of (b).
 (b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
     a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
 (c) the vllm-cpu runtime image: size, a cold build (no layer cache, warm wheelhouse) and a no-op
@@ -103,16 +104,18 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
     return result
 
 
-def part_a(client, vllm_image: str, rounds: int) -> dict:
+def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
+           alternating_tokens: int) -> dict:
     """Short runs through each door, back to back with the order alternating, and the runtime's cost
-    as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair shares it."""
-    running, _ = start(client, vllm_image, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"})
+    as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair shares it.
+    `model_dir` is mounted in place of the image's weights (None: the image's own)."""
+    running, _ = start(client, vllm_image, model_dir=model_dir, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"})
     try:
         ip = running.container.attrs["NetworkSettings"]["IPAddress"]
         doors = {"vllm_direct": running.engine_url(), "runtime_in_front": f"http://{ip}:{PORT}"}
         for url in doors.values():
             measure(url)  # both doors once, unmeasured: the batch shapes are compiled
-        alternating = asyncio.run(alternating_requests(doors, 40 * rounds))
+        one_by_one = asyncio.run(alternating_requests(doors, alternating, alternating_tokens))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
@@ -122,17 +125,17 @@ def part_a(client, vllm_image: str, rounds: int) -> dict:
         running.stop()
     return {"rounds": rounds, "target": "tok/s ratio >= 0.95 and TTFT ratio <= 1.05",
             "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()},
-            "alternating_requests_c1": alternating, "pairs": pairs}
+            "alternating_requests_c1": one_by_one, "pairs": pairs}
 
 
-async def alternating_requests(doors: dict[str, str], requests: int) -> dict:
+async def alternating_requests(doors: dict[str, str], requests: int, output_tokens: int) -> dict:
     """Concurrency 1, consecutive requests alternating between the doors with the same prompts: both
     see the machine in the same state, request by request. Medians of TTFT and inter-token latency.
 
     Each request follows a pause of REQUEST_GAP_S: on 2 cores, vLLM (OpenMP-bound, its default)
     stalls a request that arrives within ~100 ms of the previous one's end by about 200 ms, through
     either door, and those stalls, not the runtime, made this comparison's TTFT bimodal."""
-    settings = LoadSettings(model="tiny-llama", prompt_tokens=32, output_tokens=64)
+    settings = dataclasses.replace(PLAIN_LOAD, output_tokens=output_tokens)
     names = list(doors)
     seen: dict[str, list] = {name: [] for name in names}
     async with contextlib.AsyncExitStack() as stack:
@@ -217,9 +220,12 @@ def main() -> None:
         shared = Path(tempfile.mkdtemp(prefix="inferkiln-76m-"))
         shared.chmod(0o755)
         result: dict = {}
-        parts = {"a_runtime_overhead": lambda: part_a(client, images["vllm"], args.rounds),
-                 "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None,
-                                                                    "llama-76m": make_76m_llama(shared / "llama-76m")}),
+        llama_76m = make_76m_llama(shared / "llama-76m")
+        parts = {"a_runtime_overhead": lambda: {
+                     "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64),
+                     # its requests take seconds: fewer rounds, and 16 tokens a request one by one
+                     "llama-76m": part_a(client, images["vllm"], llama_76m, max(2, args.rounds // 3), 60, 16)},
+                 "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m}),
                  "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
         for name, part in parts.items():
             if name[0] not in args.parts.split(","):
