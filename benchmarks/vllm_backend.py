@@ -224,7 +224,7 @@ def main() -> None:
         parts = {"a_runtime_overhead": lambda: {
                      "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64),
                      # its requests take seconds: fewer rounds, and 16 tokens a request one by one
-                     "llama-76m": part_a(client, images["vllm"], llama_76m, max(2, args.rounds // 3), 60, 16)},
+                     "llama-76m": part_a(client, images["vllm"], llama_76m, max(2, args.rounds // 2), 80, 16)},
                  "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m}),
                  "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
         for name, part in parts.items():
