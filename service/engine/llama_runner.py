@@ -1,9 +1,10 @@
 """A batched forward pass for Llama-family models over a paged KV cache.
 
 Transformers' caches share one write position across a batch, so sequences at different positions
-cannot decode together through `model.forward`. This runner reuses the loaded model's own modules
-(projections, norms, MLPs, rotary embedding, LM head) and does only the attention itself, over a
-cache of fixed-size blocks: `[layers, blocks * block_size, kv_heads, head_dim]`. Each sequence
+cannot decode together through `model.forward`. This runner reuses the loaded model's own weights
+(projections, norms, MLPs, rotary embedding, LM head) in its own forward pass (`LlamaGraph`, one
+TorchScript call a step), with the attention over a cache of fixed-size blocks:
+`[layers, blocks * block_size, kv_heads, head_dim]`. Each sequence
 names its blocks in a block table (`service.engine.kv_blocks`), so one step handles every running
 sequence at its own position, and memory follows the tokens held rather than the longest possible.
 
@@ -14,8 +15,8 @@ out: the process's resident memory grows with the most tokens ever held, not wit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
 from service.profiles import Hardware, cpu_flags
 
 # Architectures whose decoder layers have exactly Llama's structure (q/k/v/o projections, RMSNorm
@@ -41,6 +42,9 @@ class LlamaRunner:
                                    f"not {config.model_type!r}; use a vLLM profile for it")
         if getattr(config, "sliding_window", None) and config.sliding_window < max_len:
             raise UnsupportedModel(f"sliding-window attention ({config.sliding_window}) is not supported")
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModel(f"the torch engine's MLP computes {', '.join(sorted(ACTIVATIONS))}, "
+                                   f"not {config.hidden_act!r}; use a vLLM profile for it")
         self.model = model
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
@@ -57,7 +61,11 @@ class LlamaRunner:
         self.device = device
         pack = pack_weights and can_pack(device, dtype)
         self.linears = [self._linears(layer, pack) for layer in self.layers]
-        self.rope_table = self._rope_table(model, max_len)
+        self.rope_table = self._rope_table(model, max_len)  # None: computed per step
+        empty = torch.empty(0, device=device)
+        self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
+                                                 self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
+                                                 self.rope_table or (empty, empty)))
 
     @staticmethod
     def _rope_table(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -108,32 +116,22 @@ class LlamaRunner:
         [chunks, vocab].
         """
         self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
-        batch, width = len(chunks), max(len(tokens) for tokens, _, _ in chunks)
-        ids = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens, _, _ in chunks], device=self.device)
-        lengths = torch.tensor([len(tokens) for tokens, _, _ in chunks], device=self.device)
-        starts = torch.tensor([start for _, _, start in chunks], device=self.device)
+        width = max(len(tokens) for tokens, _, _ in chunks)
         blocks = max(len(table) for _, table, _ in chunks)
-        tables = torch.tensor([table + [0] * (blocks - len(table)) for _, table, _ in chunks], device=self.device)
-        positions = starts.unsqueeze(1) + torch.arange(width, device=self.device).unsqueeze(0)  # [batch, width]
-        length = int((starts + lengths).max())
-        span = torch.arange(length, device=self.device)
-        # Cache rows of each sequence's positions 0..length-1 (rows past its own end are masked).
-        rows = tables[:, span // self.block_size] * self.block_size + span % self.block_size  # [batch, length]
-        written = rows.gather(1, positions.clamp(max=length - 1)).flatten()  # where the new tokens go
-        valid = None  # decodes: every query is a real token
-        if width > 1:  # the real (unpadded) queries, as indices: index_select/index_copy_ are fast on CPU
-            valid = (torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)).flatten()
-            valid = valid.nonzero().squeeze(1)
-            written = written.index_select(0, valid)
-        if batch == 1 and width == 1:
-            mask, causal = None, False  # one query sees every key
-        elif batch == 1 and int(starts[0]) == 0:
-            mask, causal = None, True  # a prompt from its start: the fused causal kernel
-        else:  # query i of a chunk (at position start+i) sees the keys at positions 0..start+i
-            mask, causal = (span.view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1), False
-        hidden = self._layers(ids, positions, rows.flatten(), valid, written, mask, causal)
-        last = hidden[:, 0] if width == 1 else hidden[torch.arange(batch, device=self.device), lengths - 1]
-        return self._logits(last)
+        ids = [tokens + [0] * (width - len(tokens)) for tokens, _, _ in chunks]
+        tables = [table + [0] * (blocks - len(table)) for _, table, _ in chunks]
+        lengths = [len(tokens) for tokens, _, _ in chunks]
+        starts = [start for _, _, start in chunks]
+        length = max(start + count for start, count in zip(starts, lengths))
+        rope = None if self.rope_table else self._rope_for(length)
+        with torch.jit.optimized_execution(False):
+            return self.graph(ids, lengths, starts, tables, length, rope)
+
+    def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions 0..length-1 for rope types that change with the longest sequence."""
+        probe = self.model.lm_head.weight[:1]
+        cos, sin = self.model.model.rotary_emb(probe, torch.arange(length, device=self.device).unsqueeze(0))
+        return cos[0], sin[0]
 
     def _zero_new_blocks(self, upto: int) -> None:
         if upto > self.zeroed:
@@ -152,57 +150,6 @@ class LlamaRunner:
             self.keys[:, target * size:(target + 1) * size] = self.keys[:, source * size:(source + 1) * size]
             self.values[:, target * size:(target + 1) * size] = self.values[:, source * size:(source + 1) * size]
 
-    def _layers(self, ids, positions, rows, valid, written, mask, causal) -> torch.Tensor:
-        hidden = self.model.model.embed_tokens(ids)
-        if self.rope_table is None:
-            cos, sin = self.model.model.rotary_emb(hidden, positions)
-        else:
-            cos, sin = self.rope_table[0][positions], self.rope_table[1][positions]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [batch, count, 1, head_dim]: every head
-        batch, count = ids.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        for index, layer in enumerate(self.layers):
-            mlp = layer.mlp
-            linears = self.linears[index]
-            x = _rms_norm(layer.input_layernorm, hidden)
-            qk, v = linears["qkv"](x).split([q_size + kv_size, kv_size], dim=-1)
-            qk = _rotate(qk.view(batch, count, -1, self.head_dim), cos, sin)  # q's and k's heads at once
-            q = qk[:, :, :self.num_heads].transpose(1, 2)
-            k = qk[:, :, self.num_heads:].reshape(batch * count, self.num_kv_heads, self.head_dim)
-            v = v.reshape(batch * count, self.num_kv_heads, self.head_dim)
-            if valid is not None:  # padded queries are never written
-                k, v = k.index_select(0, valid), v.index_select(0, valid)
-            keys, values = self.keys[index], self.values[index]
-            keys.index_copy_(0, written, k)
-            values.index_copy_(0, written, v)
-            # [batch, kv_heads, length, head_dim], gathered through the block tables
-            shape = (batch, -1, self.num_kv_heads, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                q, keys.index_select(0, rows).view(shape).transpose(1, 2),
-                values.index_select(0, rows).view(shape).transpose(1, 2),
-                attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
-            hidden = hidden + linears["o"](out.transpose(1, 2).reshape(batch, count, -1))
-            gate, up = linears["gate_up"](_rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)
-            hidden = hidden + linears["down"](mlp.act_fn(gate) * up)
-        return hidden
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(self.model.model.norm, hidden)).float()
-
-
-def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm as one fused op, computed in float32 as transformers does."""
-    if hidden.dtype == torch.float32:  # the same arithmetic in one call: no casts, the weight inside
-        return F.rms_norm(hidden, norm.weight.shape, norm.weight, eps=norm.variance_epsilon)
-    out = F.rms_norm(hidden.float(), norm.weight.shape, eps=norm.variance_epsilon)
-    return norm.weight * out.to(hidden.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions (transformers' apply_rotary_pos_emb) on [batch, count, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's packed GEMM: on CPU where torch was built with it, for fp32, and for bf16 where the
@@ -213,7 +160,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """x @ W.T + b, with a large W packed for oneDNN once at load.
+    """W and b of x @ W.T + b, with a large W packed for oneDNN once at load (llama_graph.linear).
 
     With few rows (a decode batch), oneDNN's kernels on a weight already in their blocked layout run
     about 1.8x faster than F.linear, which lays the weight out again on every call (measured for
@@ -230,8 +177,3 @@ class Linear:
                 module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         else:
             self.weight = weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)

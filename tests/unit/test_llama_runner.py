@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.engine import llama_runner
+from service.engine import llama_graph, llama_runner
 from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack
 
 ATOL = 1e-4
@@ -102,8 +102,8 @@ def test_only_weights_large_enough_to_gain_are_packed():
     small, large = torch.randn(384, 128), torch.randn(1536, 512)
     assert not Linear(small, None, pack=True).packed
     assert Linear(large, None, pack=True).packed
-    x = torch.randn(1, 3, 512)
-    assert torch.allclose(Linear(large.clone(), None, pack=True)(x), x @ large.T, atol=1e-4)
+    x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, pack=True)
+    assert torch.allclose(llama_graph.linear(x, packed.weight, None, True), x @ large.T, atol=1e-4)
 
 
 def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeypatch):
@@ -112,3 +112,28 @@ def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeyp
     monkeypatch.setattr(torch_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
     assert torch_engine.default_cpu_threads(400_000) == 3, "the tiny model leaves a core to HTTP"
     assert torch_engine.default_cpu_threads(76_000_000) == 4
+
+
+def test_an_activation_the_graph_does_not_compute_is_refused(setup):
+    _, model, _ = setup
+    model.config.hidden_act = "quick_gelu"
+    try:
+        with pytest.raises(UnsupportedModel, match="quick_gelu"):
+            LlamaRunner(model, 1, 16, 16)
+    finally:
+        model.config.hidden_act = "silu"
+
+
+def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, setup):
+    """Dynamic NTK rope: cos/sin come from the model's rotary module for each step's length."""
+    tokenizer, _, _ = setup
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, rope_parameters=rope).eval()
+    runner = LlamaRunner(model, num_blocks=64, block_size=4, max_len=512)
+    assert runner.rope_table is None
+    ids = tokenizer("Rivers run to the sea and the sea is never full.")["input_ids"]
+    expected, table = reference(model, ids), [30, 1, 4, 8, 9, 2, 11, 12, 13, 14, 15, 16]
+    with torch.inference_mode():
+        runner.forward([(ids[:5], table, 0)])
+        logits = runner.forward([(ids[5:], table, 5)])[0]
+    assert torch.allclose(logits, expected[-1], atol=ATOL)
