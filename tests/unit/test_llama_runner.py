@@ -71,14 +71,16 @@ def test_fused_projections_leave_the_model_intact(setup):
     assert tokenizer.decode(out[0, len(ids):]) == " from flour, water"
 
 
-def test_unsupported_architecture_is_refused(setup):
+@pytest.mark.parametrize("field, value", [("model_type", "gpt2"), ("hidden_act", "quick_gelu")])
+def test_what_the_runner_cannot_compute_is_refused(setup, field, value):
     _, model, _ = setup
-    model.config.model_type = "gpt2"
+    original = getattr(model.config, field)
+    setattr(model.config, field, value)
     try:
-        with pytest.raises(UnsupportedModel, match="gpt2"):
+        with pytest.raises(UnsupportedModel, match=value):
             LlamaRunner(model, 1, 16, 16)
     finally:
-        model.config.model_type = "llama"
+        setattr(model.config, field, original)
 
 
 def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypatch):
@@ -112,16 +114,6 @@ def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeyp
     monkeypatch.setattr(torch_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
     assert torch_engine.default_cpu_threads(400_000) == 3, "the tiny model leaves a core to HTTP"
     assert torch_engine.default_cpu_threads(76_000_000) == 4
-
-
-def test_an_activation_the_graph_does_not_compute_is_refused(setup):
-    _, model, _ = setup
-    model.config.hidden_act = "quick_gelu"
-    try:
-        with pytest.raises(UnsupportedModel, match="quick_gelu"):
-            LlamaRunner(model, 1, 16, 16)
-    finally:
-        model.config.hidden_act = "silu"
 
 
 def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, setup):
