@@ -10,6 +10,10 @@ wall. The ops are the same aten calls in the same order, so the logits are bitwi
 
 The graph is run without the JIT's profiling and specialisation (`optimized_execution(False)`):
 every step has new shapes, and re-specialising for them would cost time at random steps.
+
+`torch.jit.script` is deprecated (torch 2.13 warns) in favour of `torch.compile`/`torch.export`,
+which on CPU compile C++ at run time: the runtime image has no compiler, so this stays until they
+can run without one.
 """
 
 from typing import List, Optional, Tuple
