@@ -61,21 +61,13 @@ class LlamaRunner:
         self.device = device
         pack = pack_weights and can_pack(device, dtype)
         self.linears = [self._linears(layer, pack) for layer in self.layers]
-        self.rope_table = self._rope_table(model, max_len)  # None: computed per step
+        # cos/sin for every position, computed once; None for rope types that change with length
+        dynamic = getattr(model.model.rotary_emb, "rope_type", "default") == "dynamic"
+        self.rope_table = None if dynamic else self._rope_for(max_len)
         empty = torch.empty(0, device=device)
         self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
                                                  self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
                                                  self.rope_table or (empty, empty)))
-
-    @staticmethod
-    def _rope_table(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos/sin for every position, computed once; None for rope types that change with length."""
-        rotary = model.model.rotary_emb
-        if getattr(rotary, "rope_type", "default") == "dynamic":
-            return None
-        probe = model.lm_head.weight[:1]
-        cos, sin = rotary(probe, torch.arange(max_len, device=probe.device).unsqueeze(0))
-        return cos[0], sin[0]
 
     @staticmethod
     def _linears(layer, pack: bool) -> dict[str, Linear]:
@@ -128,7 +120,7 @@ class LlamaRunner:
             return self.graph(ids, lengths, starts, tables, length, rope)
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of positions 0..length-1 for rope types that change with the longest sequence."""
+        """cos/sin of positions 0..length-1, from the model's rotary module."""
         probe = self.model.lm_head.weight[:1]
         cos, sin = self.model.model.rotary_emb(probe, torch.arange(length, device=self.device).unsqueeze(0))
         return cos[0], sin[0]
