@@ -14,8 +14,9 @@ loop, ignore_eos, greedy):
   against a slot of max_model_len per sequence (what the engine reserved before paging).
 
 All of a model's configurations run at once, each idle while another is measured, for `--rounds`
-rounds; in each round every level measures them back to back, in an order that rotates. Values
-are medians over rounds; ratios are the median and quartiles of the per-round paired ratios.
+rounds; in each round every level measures them back to back, in an order that rotates, each
+once every container is quiet (`settle`: vLLM spins a core after its last request). Values are
+medians over rounds; ratios are the median and quartiles of the per-round paired ratios.
 
     python -m benchmarks.engine_vs_vllm_cpu [--models tiny,llama-76m] [--rounds 3]
 """
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import spread, write_result
-from benchmarks.vllm_backend import make_76m_llama, measure, spec, start
+from benchmarks.vllm_backend import PLAIN_LOAD, make_76m_llama, measure, settle, spec, start
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
 from factory.tinymodel import ensure_tiny_model
@@ -77,17 +78,24 @@ def compare(client, images: dict[str, str], model_dir: Path | None, weights: Pat
             measure(running[name].url, (max(LEVELS),), per_stream=1)  # warm-up: batch shapes, first-call costs
         levels = {name: {level: [] for level in LEVELS} for name in plain}
         shared = {name: {level: [] for level in PREFIX_LEVELS} for name in prefix_engines}
+        waits: list[float] = []
+
+        def measured(name: str, level: int, load: LoadSettings = PLAIN_LOAD) -> dict:
+            waits.append(settle(list(running.values())))  # the one measured before may still be busy
+            return measure(running[name].url, (level,), load)[level]
+
         for turn in range(rounds):
             for level in LEVELS:
                 for name in rotated(plain, turn):
-                    levels[name][level].append(measure(running[name].url, (level,))[level])
+                    levels[name][level].append(measured(name, level))
             for level in PREFIX_LEVELS:
                 for name in rotated(prefix_engines, turn):
-                    shared[name][level].append(measure(running[name].url, (level,), prefixed)[level])
+                    shared[name][level].append(measured(name, level, prefixed))
     finally:
         for model in running.values():
             model.stop()
     return {"start_to_ready_s": {name: round(s, 1) for name, s in ready_s.items()},
+            "settle_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2)},
             "levels": {name: medians(runs) for name, runs in levels.items()},
             "shared_prefix": {name: medians(runs) for name, runs in shared.items()},
             "ratios": {**{f"tok_s_{name}_over_vllm": paired(levels[name], levels["vllm"], "output_tok_s")
@@ -154,6 +162,8 @@ def table(result: dict) -> str:
                          f"{shared['vllm'][level]['ttft_p50_ms']:.1f} ms; cached/uncached "
                          f"{ratio(ratios['shared_prefix_ttft_p50_cached_over_uncached'][level])}, cached/vLLM "
                          f"{ratio(ratios['shared_prefix_ttft_p50_torch_over_vllm'][level])}")
+        lines.append(f"{name}: waited for quiet before each measurement: median {run['settle_s']['median']:.2f} s, "
+                     f"max {run['settle_s']['max']:.2f} s")
     return "\n".join(lines)
 
 
