@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import yaml
 
 from benchmarks.common import spread, write_result
@@ -171,7 +171,7 @@ async def alternating_requests(doors: dict[str, str], requests: int, output_toke
     names = list(doors)
     seen: dict[str, list] = {name: [] for name in names}
     async with contextlib.AsyncExitStack() as stack:
-        clients = {name: await stack.enter_async_context(httpx.AsyncClient(base_url=url)) for name, url in doors.items()}
+        clients = {name: await stack.enter_async_context(aiohttp.ClientSession(url)) for name, url in doors.items()}
         for i in range(requests):
             name = names[(i + i // 2) % 2]  # direct, runtime, runtime, direct, ...: neither always goes first
             await asyncio.sleep(REQUEST_GAP_S)

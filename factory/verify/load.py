@@ -1,5 +1,9 @@
-"""The load generator: streaming requests over httpx, as a concurrency sweep or at a Poisson
+"""The load generator: streaming requests over aiohttp, as a concurrency sweep or at a Poisson
 request rate; statistics named, defined and shaped as NVIDIA AIPerf exports them.
+
+aiohttp is AIPerf's own HTTP client. Its C parser and line reader cost less per request than
+httpx's pure-Python stack, and what the client costs lands in every TTFT it reports: on the tiny
+model, a cached-prefix request's TTFT read 0.8 ms more through httpx (4.5 against 3.7 ms).
 
 Per request it records the time to the first token, the gaps between streamed chunks, the
 end-to-end latency and the exact token counts from the final usage chunk. Inter-token latency is
@@ -16,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 
 # perf_counter seconds to epoch nanoseconds, for exports that carry wall-clock timestamps
@@ -75,19 +79,22 @@ def synthetic_prompt(tokens: int, seed: int) -> str:
     return " ".join(rng.choice(words) for _ in range(tokens))
 
 
-async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: int) -> RequestRecord:
+async def one_request(http: aiohttp.ClientSession, settings: LoadSettings, index: int) -> RequestRecord:
     body = {"model": settings.model, "prompt": settings.prefix + synthetic_prompt(settings.prompt_tokens, settings.seed + index),
             "max_tokens": settings.output_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     record = RequestRecord(start=time.perf_counter(), index=index)
     last = None
     try:
-        async with http.stream("POST", "/v1/completions", json=body, timeout=settings.timeout) as response:
-            if response.status_code != 200:
-                record.code = response.status_code
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        # the timeout bounds connecting and each wait for bytes, not the whole stream: a long one is no error
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.timeout, sock_read=settings.timeout)
+        async with http.post("/v1/completions", json=body, timeout=timeout) as response:
+            if response.status != 200:
+                record.code = response.status
+                record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return record
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # line by line
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -102,7 +109,7 @@ async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: in
                         record.itls.append(now - last)
                     last = now
         record.latency = time.perf_counter() - record.start
-    except (httpx.HTTPError, ValueError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
         record.end = time.perf_counter()
@@ -111,8 +118,8 @@ async def one_request(http: httpx.AsyncClient, settings: LoadSettings, index: in
 
 async def run_load(base_url: str, settings: LoadSettings) -> tuple[list[RequestRecord], float]:
     """All requests of one level; returns the records and the wall time of the measured part."""
-    limits = httpx.Limits(max_connections=max(settings.concurrency, 64), max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits) as http:
+    connector = aiohttp.TCPConnector(limit=0)  # a connection per client, however many
+    async with aiohttp.ClientSession(base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         for i in range(settings.warmup):
             await one_request(http, settings, -1 - i)
         records: list[RequestRecord] = []

@@ -173,3 +173,12 @@ def test_poisson_rate_mode(server):
     summary = summarize(records, wall, {})
     assert summary["request_count"]["avg"] == 12 and summary["error_request_count"]["avg"] == 0
     assert all(r.output_tokens == 8 for r in records)
+
+
+def test_failed_requests_are_recorded_with_their_status(server):
+    """A 404 (an unknown model) and a refused connection are counted as errors, not raised."""
+    records, wall = asyncio.run(run_load(server.url, LoadSettings(model="no-such-model", requests=3, warmup=0)))
+    assert [r.code for r in records] == [404] * 3 and all("HTTP 404" in r.error for r in records)
+    assert summarize(records, wall, {})["error_request_count"]["avg"] == 3
+    records, _ = asyncio.run(run_load("http://127.0.0.1:9", LoadSettings(model="tiny-llama", requests=2, warmup=0)))
+    assert all(r.code is None and r.error.startswith("ClientConnectorError") for r in records)
