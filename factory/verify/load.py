@@ -119,7 +119,7 @@ async def one_request(http: aiohttp.ClientSession, settings: LoadSettings, index
 async def run_load(base_url: str, settings: LoadSettings) -> tuple[list[RequestRecord], float]:
     """All requests of one level; returns the records and the wall time of the measured part."""
     connector = aiohttp.TCPConnector(limit=0)  # a connection per client, however many
-    async with aiohttp.ClientSession(base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+    async with aiohttp.ClientSession(base_url, connector=connector) as http:  # one_request sets each timeout
         for i in range(settings.warmup):
             await one_request(http, settings, -1 - i)
         records: list[RequestRecord] = []
