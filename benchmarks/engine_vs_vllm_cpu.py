@@ -5,7 +5,7 @@ chart's pod runs them, on the same weights, driven by the same load generator (A
 loop, ignore_eos, greedy):
 - the bundled tiny model and a ~76M-parameter random-weights Llama made here, at concurrency 1, 8
   and 16: output tok/s and TTFT p50;
-- a shared-prefix workload: every prompt starts with the same ~480-token text (a system prompt),
+- a shared-prefix workload: every prompt starts with the same 480 tokens (a system prompt),
   at concurrency 1 and 4, with the torch engine's prefix caching on and off, and vLLM's on;
 - on the tiny model, the torch engine's forward pass at its default threads against every core
   (NIM_CPU_THREADS): the default leaves one core to HTTP below 10M parameters (the 76M model's
@@ -43,14 +43,26 @@ PREFIX_TOKENS = 480
 
 
 def shared_prefix(model_dir: Path, tokens: int) -> str:
-    """Synthetic words, as many as fit in `tokens` tokens of this model's tokenizer."""
+    """Synthetic words that every prompt starting with them shares as its first `tokens` tokens (BOS
+    included), as 480 shared tokens are 30 full KV blocks. The text ends at a word and the space after
+    it begins the prompt's next word: tokenized alone, a trailing space is a token that no prompt
+    has (in a prompt it merges with the word after it)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text)["input_ids"]
+
     words = synthetic_prompt(tokens, 12345).split()
-    while len(tokenizer(" ".join(words) + " ")["input_ids"]) > tokens:
+    while len(ids(" ".join(words))) > tokens:
         words.pop()
-    return " ".join(words) + " "
+    while len(ids(" ".join(words))) < tokens:
+        words.append(min(sorted(set(words)), key=lambda word: len(ids(word))))  # the shortest word fills the rest
+    text = " ".join(words)
+    if len(ids(text)) != tokens or ids(f"{text} {synthetic_prompt(4, 0)}")[:tokens] != ids(text):
+        raise ValueError(f"cannot make a {tokens}-token shared prefix with this tokenizer")
+    return text + " "
 
 
 def rotated(names: list[str], turn: int) -> list[str]:
@@ -69,7 +81,8 @@ def compare(client, images: dict[str, str], model_dir: Path | None, weights: Pat
         configs["torch_all_cores"] = ("torch", {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))})
     plain = [name for name in configs if name != "torch_no_prefix_cache"]
     prefix_engines = ["torch", "torch_no_prefix_cache", "vllm"]
-    prefixed = LoadSettings(model="tiny-llama", prompt_tokens=4, output_tokens=16,
+    # two words after the prefix: at most 12 tokens, so 480 + 12 + 16 fit the tiny model's 512
+    prefixed = LoadSettings(model="tiny-llama", prompt_tokens=2, output_tokens=16,
                             prefix=shared_prefix(weights, PREFIX_TOKENS))
     running, ready_s = {}, {}
     try:
