@@ -34,6 +34,7 @@ RUNTIME_ARGS = frozenset({"max_queue", "cpu_threads", "kv_cache_tokens"})
 START_TIMEOUT_S = 1800.0  # weights download and warm-up compile on big models; the startup probe bounds it
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 20.0
+KEEP_ALIVE_ENV, VLLM_KEEP_ALIVE_S = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5.0  # vLLM's server closes idle connections after it
 
 
 def _flag(name: str) -> str:
@@ -64,6 +65,21 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
         elif value is not None:
             out += [_flag(name), json.dumps(value) if isinstance(value, dict | list) else str(value)]
     return out + shlex.split(settings.passthrough_args)
+
+
+def engine_session(base_url: str, server_keep_alive_s: float):
+    """An aiohttp session with the engine's server: no connection limit, and a pool that drops a
+    connection once idle for half the server's keep-alive. A request written on a connection as the
+    server closes it fails, and a POST that may have reached the server cannot be retried: with
+    aiohttp's default pool (15 s) against vLLM's 5 s, the engine benchmark got a 503 ("the engine
+    did not answer: ClientOSError") after a quiet spell (tests/integration/test_engine_session.py).
+
+    aiohttp rather than httpx: its C parser and stream reader make the hop cheaper (an SSE relay
+    measured here added 2.1 ms to TTFT through aiohttp, 3.25 ms through httpx)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
+                                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=server_keep_alive_s / 2))
 
 
 def _timeout(seconds: float):
@@ -111,18 +127,13 @@ class VllmEngine(ProcessEngine):
         return self._stats
 
     async def start(self) -> None:
-        import aiohttp
-
         log.info("starting vLLM: %s", self.describe())
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
         self._proc = await asyncio.create_subprocess_exec(
             *self.command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent)
-        # aiohttp rather than httpx: its C parser and stream reader make the hop cheaper (an SSE relay
-        # measured here added 2.1 ms to TTFT through aiohttp, 3.25 ms through httpx); no connection limit.
-        self._client = aiohttp.ClientSession(self.base_url, timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
-                                             connector=aiohttp.TCPConnector(limit=0))
+        self._client = engine_session(self.base_url, float(env.get(KEEP_ALIVE_ENV, VLLM_KEEP_ALIVE_S)))
         self._tasks = [asyncio.create_task(self._forward_logs()), asyncio.create_task(self._watch())]
         await self._wait_healthy()
         await self._warm_up()
