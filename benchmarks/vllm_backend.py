@@ -41,7 +41,6 @@ from factory.stack import docker_client, stack_up
 from factory.tinymodel import ensure_tiny_model
 from factory.verify.container import RunningModel, start_model
 from factory.verify.load import LoadSettings, one_request, run_load, summarize
-from service.image_contract import PORT
 
 ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
@@ -145,8 +144,7 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
     `model_dir` is mounted in place of the image's weights (None: the image's own)."""
     running, _ = start(client, vllm_image, model_dir=model_dir, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"})
     try:
-        ip = running.container.attrs["NetworkSettings"]["IPAddress"]
-        doors = {"vllm_direct": running.engine_url(), "runtime_in_front": f"http://{ip}:{PORT}"}
+        doors = {"vllm_direct": running.engine_url(), "runtime_in_front": running.bridge_url()}
         for url in doors.values():
             measure(url)  # both doors once, unmeasured: the batch shapes are compiled
         one_by_one = asyncio.run(alternating_requests(doors, alternating, alternating_tokens))

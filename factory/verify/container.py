@@ -28,6 +28,12 @@ class RunningModel:
     def logs(self, tail: int = 60) -> str:
         return self.container.logs(tail=tail).decode(errors="replace")
 
+    def bridge_url(self) -> str:
+        """The server on the container's own address (Docker's bridge network), as a Kubernetes
+        Service reaches a pod: in the kernel, without the userland proxy behind the loopback port."""
+        self.container.reload()
+        return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{PORT}"
+
     def engine_url(self) -> str:
         """vLLM's own server inside the container, from the command line the runtime logs when it starts
         it; reachable where NIM_PASSTHROUGH_ARGS gave it `--host 0.0.0.0` (a second door, for comparisons)."""
