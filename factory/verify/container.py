@@ -28,11 +28,11 @@ class RunningModel:
     def logs(self, tail: int = 60) -> str:
         return self.container.logs(tail=tail).decode(errors="replace")
 
-    def bridge_url(self) -> str:
-        """The server on the container's own address (Docker's bridge network), as a Kubernetes
+    def bridge_url(self, port: int = PORT) -> str:
+        """A server on the container's own address (Docker's bridge network), as a Kubernetes
         Service reaches a pod: in the kernel, without the userland proxy behind the loopback port."""
         self.container.reload()
-        return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{PORT}"
+        return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{port}"
 
     def engine_url(self) -> str:
         """vLLM's own server inside the container, from the command line the runtime logs when it starts
@@ -40,9 +40,7 @@ class RunningModel:
         import re
 
         logs = self.container.logs().decode(errors="replace")  # all of it: the line comes early
-        port = re.findall(r"starting vLLM: .*?--port (\d+)", logs)[-1]
-        self.container.reload()
-        return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{port}"
+        return self.bridge_url(int(re.findall(r"starting vLLM: .*?--port (\d+)", logs)[-1]))
 
     def stop(self) -> None:
         try:
