@@ -59,8 +59,9 @@ def shared_prefix(model_dir: Path, tokens: int) -> str:
     words = synthetic_prompt(tokens, 12345).split()
     while len(ids(" ".join(words))) > tokens:
         words.pop()
-    while len(ids(" ".join(words))) < tokens:
-        words.append(min(sorted(set(words)), key=lambda word: len(ids(word))))  # the shortest word fills the rest
+    shortest = min(sorted(set(words)), key=lambda word: len(ids(word)))
+    while len(ids(" ".join(words))) < tokens:  # the shortest word fills the rest
+        words.append(shortest)
     text = " ".join(words)
     if len(ids(text)) != tokens or ids(f"{text} {synthetic_prompt(4, 0)}")[:tokens] != ids(text):
         raise ValueError(f"cannot make a {tokens}-token shared prefix with this tokenizer")
