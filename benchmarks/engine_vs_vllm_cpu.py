@@ -190,17 +190,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    names = args.models.split(",")
+    if unknown := set(names) - {"tiny", "llama-76m"}:
+        parser.error(f"unknown model(s) {', '.join(sorted(unknown))}: choose from tiny, llama-76m")
     stack_up()
     client = docker_client()
     result: dict = {"rounds": args.rounds, "kv_memory_32x64_at_512": kv_memory()}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the specs, and the 76M model (~300 MB) if asked for
+        Path(tmp).chmod(0o755)  # the images' user reads the model through a bind mount
         specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
-        shared = Path(tempfile.mkdtemp(prefix="inferkiln-76m-"))
-        shared.chmod(0o755)
-        models = {"tiny": None, "llama-76m": make_76m_llama(shared / "llama-76m")}
-        for name in args.models.split(","):
-            model_dir = models[name]
+        for name in names:
+            model_dir = make_76m_llama(Path(tmp) / name) if name == "llama-76m" else None
             result[name] = compare(client, images, model_dir, model_dir or ensure_tiny_model(), args.rounds)
             path = write_result("engine_vs_vllm_cpu", result, args.out)
     print(table(result))

@@ -53,8 +53,6 @@ def make_76m_llama(out: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tiny = ensure_tiny_model()
-    if (out / "config.json").exists():
-        return out
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=640, hidden_size=768, intermediate_size=2304, num_hidden_layers=10,
                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
@@ -246,13 +244,12 @@ def main() -> None:
     args = parser.parse_args()
     stack_up()
     client = docker_client()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the specs and the 76M model (~300 MB)
+        Path(tmp).chmod(0o755)  # the images' user reads the model through a bind mount
         specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
-        shared = Path(tempfile.mkdtemp(prefix="inferkiln-76m-"))
-        shared.chmod(0o755)
         result: dict = {}
-        llama_76m = make_76m_llama(shared / "llama-76m")
+        llama_76m = make_76m_llama(Path(tmp) / "llama-76m")
         parts = {"a_runtime_overhead": lambda: {
                      "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64),
                      # its requests take seconds: fewer rounds, and 16 tokens a request one by one
