@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from factory.tinymodel import ensure_tiny_model
-from service.launcher import ServerProcess
+from service.launcher import ServerProcess, free_port
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +30,22 @@ def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "service.log"
     with ServerProcess(["--model", str(tiny_model_dir)], log_path=log) as proc:
         yield proc
+
+
+@contextmanager
+def app_in_thread(app, **config) -> Iterator[str]:
+    """An ASGI app on a real uvicorn server over loopback, in a thread of the test process: its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture(scope="session")

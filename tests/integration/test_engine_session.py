@@ -11,15 +11,12 @@ checks what prevents it: a connection is reused while fresh and never once idle 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
 from service.engine.vllm_process import engine_session
-from service.launcher import free_port
+from tests.conftest import app_in_thread
 
 KEEP_ALIVE_S = 1
 
@@ -32,16 +29,8 @@ def server_url():
     async def completions(request: Request) -> dict:
         return {"client_port": request.client.port}  # one port per TCP connection
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, timeout_keep_alive=KEEP_ALIVE_S,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with app_in_thread(app, timeout_keep_alive=KEEP_ALIVE_S) as url:
+        yield url
 
 
 async def test_a_connection_idle_for_half_the_servers_keep_alive_is_not_reused(server_url):

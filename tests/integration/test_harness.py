@@ -8,13 +8,11 @@ cannot be made to show.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typer.testing import CliRunner
@@ -26,7 +24,7 @@ from factory.verify.accuracy import served_precision
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 from factory.verify.lm_eval_tasks import BUNDLED_TASKS
 from factory.verify.load import LoadSettings, run_load, summarize
-from service.launcher import free_port
+from tests.conftest import app_in_thread
 
 QUICK = HarnessConfig(min_exact_match=0.9, concurrency=[1, 4], requests_per_level=8, output_tokens=16,
                       slo={"ttft_p99_ms": 5000}, tasks=[AccuracyTask(name="inferkiln_tiny_lines", min=0.9, limit=16)])
@@ -78,23 +76,8 @@ def broken_proxy(upstream: str, mode: str) -> FastAPI:
 
 @pytest.fixture
 def proxy(server):
-    started = []
-
-    def start(mode: str) -> str:
-        port = free_port()
-        srv = uvicorn.Server(uvicorn.Config(broken_proxy(server.url, mode), host="127.0.0.1", port=port,
-                                            log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        while not srv.started:
-            time.sleep(0.05)
-        started.append((srv, thread))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for srv, thread in started:
-        srv.should_exit = True
-        thread.join(10)
+    with contextlib.ExitStack() as started:
+        yield lambda mode: started.enter_context(app_in_thread(broken_proxy(server.url, mode)))
 
 
 def failed_ids(report) -> set[str]:
