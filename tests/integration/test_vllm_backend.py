@@ -194,8 +194,10 @@ def test_a_disconnect_aborts_the_request_in_vllm(served):
 
     The premise is checked as well: the runtime must have seen the client leave mid-stream (its own
     count of aborts). On a starved machine the client may read its first line only after the whole
-    stream was sent (the runtime then counts a success); that attempt proves nothing and is made again."""
-    max_tokens = 500  # the tiny model's context is 512: about two seconds of generation here
+    stream was sent (the runtime then counts a success); that attempt proves nothing and is made again.
+    Eight sampled sequences of 500 tokens (the tiny model's context is 512) keep vLLM busy for about
+    two seconds here, where the client leaves after some 40 ms."""
+    max_tokens, n = 500, 8
 
     def finished(samples: dict) -> float:
         return metric(samples, "vllm:request_success_total", finished_reason="length")
@@ -207,24 +209,30 @@ def test_a_disconnect_aborts_the_request_in_vllm(served):
         return wait_for(lambda: s if not metric(s := scrape(served.url), "vllm:num_requests_running") else None,
                         30, "vLLM to have no request running")
 
-    body = {"model": MODEL, "prompt": "the", "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "ignore_eos": True}
-    for _ in range(3):
+    body = {"model": MODEL, "prompt": "the", "max_tokens": max_tokens, "n": n, "temperature": 1.0, "seed": 0,
+            "stream": True, "ignore_eos": True}
+    attempts = []
+    for _ in range(5):
         before = idle()
         assert any(name == "vllm:request_success_total" for name, _ in before), "vLLM's metrics are re-exported"
+        start = time.perf_counter()
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as stream:
+            assert stream.status_code == 200, stream.read()
             next(stream.iter_lines())  # generating; leave at once
+        left_after = time.perf_counter() - start
         samples = idle()
-        if ours(samples, "request_failure_total", reason="abort") - ours(before, "request_failure_total",
-                                                                         reason="abort") == 1:
+        aborted = ours(samples, "request_failure_total", reason="abort") - ours(before, "request_failure_total",
+                                                                                reason="abort")
+        served_ = ours(samples, "request_success_total") - ours(before, "request_success_total")
+        attempts.append(f"left after {left_after:.3f} s: aborted {aborted:g}, served {served_:g}")
+        if aborted == 1:
             break
-        assert ours(samples, "request_success_total") - ours(before, "request_success_total") == 1, \
-            "the runtime counted the request neither as aborted nor as served"
+        assert served_ == 1, f"the runtime counted the request neither as aborted nor as served: {attempts}"
     else:
-        pytest.fail("in three attempts the client never left while the request was generating")
+        pytest.fail(f"in five attempts the client never left while the request was generating: {attempts}")
     assert finished(samples) == finished(before), "vLLM finished the request of a client that left"
     generated = metric(samples, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total")
-    assert 0 < generated < max_tokens
+    assert 0 < generated < n * max_tokens
     assert ours(samples, "num_requests_running") == 0
 
 
