@@ -25,6 +25,14 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer, as transformers loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model_dir, tmp_path_factory):
     """One shared server for the tests that only send requests."""
     log = tmp_path_factory.mktemp("server") / "service.log"

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from service.api.encoding import prompt_encoder
 from service.api.errors import ServingError, bad_request, from_exception, sse_error
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprob,
@@ -78,6 +79,7 @@ class SSEStream:
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics) -> None:
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
+        self._encode = prompt_encoder(tokenizer)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str):
@@ -178,7 +180,7 @@ class OpenAIServing:
         token_lists = []
         for item in prompts:
             if isinstance(item, str):
-                token_lists.append(self.tokenizer(item)["input_ids"])
+                token_lists.append(self._encode(item))
                 continue
             if not item or any(not 0 <= t < vocab for t in item):
                 raise bad_request(f"token prompts must be non-empty with ids in [0, {vocab})", "prompt")

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import yaml
 from openai import APIStatusError, OpenAI
-from transformers import AutoTokenizer
 
 from factory.pipeline.runner import RunSettings, Runner
 from factory.stack import REGISTRY, stack_up
@@ -82,11 +81,6 @@ def served(docker_client, vllm_image):
 @pytest.fixture(scope="module")
 def oai(served) -> OpenAI:
     return OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 # -- the OpenAI API through the runtime ----------------------------------------------------------

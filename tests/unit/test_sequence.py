@@ -1,16 +1,10 @@
 """Incremental detokenization and stop handling, on the real tiny-model tokenizer."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from service.engine.base import SamplingParams
 from service.engine.sequence import (ByteLevelDetokenizer, IncrementalDetokenizer, SequenceOutput,
                                      byte_level_table, detokenizer_factory)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 TEXTS = ["The quick brown fox jumps.", "naïve café — 東京 🙂 done", "  spaces\tand\nlines  "]
