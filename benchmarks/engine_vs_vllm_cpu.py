@@ -41,7 +41,7 @@ from factory.verify.load import LoadSettings, synthetic_prompt
 LEVELS = (1, 8, 16)
 PREFIX_LEVELS = (1, 4)
 PREFIX_TOKENS = 480
-PREFIX_PER_STREAM = 8  # 32 requests a measurement: a cached TTFT of ~3 ms moves with the machine's noise
+PREFIX_REQUESTS = 32  # a measurement at every level: a cached TTFT of ~3 ms moves with the machine's noise
 
 
 def shared_prefix(model_dir: Path, tokens: int) -> str:
@@ -107,7 +107,7 @@ def compare(client, images: dict[str, str], model_dir: Path | None, weights: Pat
                     levels[name][level].append(measured(name, level))
             for level in PREFIX_LEVELS:
                 for name in rotated(prefix_engines, turn):
-                    shared[name][level].append(measured(name, level, prefixed, PREFIX_PER_STREAM))
+                    shared[name][level].append(measured(name, level, prefixed, PREFIX_REQUESTS // level))
     finally:
         for model in running.values():
             model.stop()
