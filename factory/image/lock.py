@@ -11,8 +11,10 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,22 +75,30 @@ def find_links() -> list[str]:
 
 
 def compile_lock(flavor: Flavor, out: Path | None = None) -> Path:
-    """`uv pip compile --generate-hashes` for the flavor's target platform; writes the lock."""
+    """`uv pip compile --generate-hashes` for the flavor's target platform; writes the lock.
+
+    The lock it replaces is uv's output file, whose pins uv keeps as preferences (as pip-tools
+    does): a re-lock after a dependency is added moves only what the change needs."""
     inputs = lock_inputs(flavor)
     out = out or flavor.lock_path
-    command = [sys.executable, "-m", "uv", "pip", "compile", "-", "--generate-hashes", "--no-header",
-               "--only-binary", ":all:",  # the image installs wheels only
-               "--python-version", inputs.python_version, "--python-platform", inputs.platform,
-               "--quiet", *[arg for link in (find_links() if flavor.local_wheels else []) for arg in ("--find-links", link)],
-               *[arg for name in inputs.no_emit for arg in ("--no-emit-package", name)]]
-    result = subprocess.run(command, input="\n".join(inputs.requirements) + "\n", capture_output=True, text=True)
-    if result.returncode:
-        raise CheckFailed(f"uv could not lock the {flavor.name} flavor: {result.stderr.strip()[-2000:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / out.name
+        if out.is_file():
+            shutil.copyfile(out, staged)
+        command = [sys.executable, "-m", "uv", "pip", "compile", "-", "--output-file", str(staged),
+                   "--generate-hashes", "--no-header", "--only-binary", ":all:",  # the image installs wheels only
+                   "--python-version", inputs.python_version, "--python-platform", inputs.platform, "--quiet",
+                   *[arg for link in (find_links() if flavor.local_wheels else []) for arg in ("--find-links", link)],
+                   *[arg for name in inputs.no_emit for arg in ("--no-emit-package", name)]]
+        result = subprocess.run(command, input="\n".join(inputs.requirements) + "\n", capture_output=True, text=True)
+        if result.returncode:
+            raise CheckFailed(f"uv could not lock the {flavor.name} flavor: {result.stderr.strip()[-2000:]}")
+        locked = staged.read_text()
     header = (f"# The {flavor.name} runtime's locked dependencies: `inferkiln lock {flavor.name}` writes this file\n"
               f"# with uv pip compile --generate-hashes, for Python {inputs.python_version} on {inputs.platform}.\n"
               f"# inputs: sha256:{inputs.digest()}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + result.stdout)
+    out.write_text(header + locked)
     return out
 
 
