@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# Plain words, a number, punctuation, non-ASCII text, whitespace runs and the special tokens' text.
+# Plain words, a number, punctuation, non-ASCII text and whitespace runs; the tokenizer's special
+# tokens' text goes between two copies of it.
 PROBE = " Hello world!  The year 2026, naïve café — 東京 \n\n\ttabs\tand  spaces. "
 
 Encoder = Callable[[str], list[int]]

@@ -217,11 +217,11 @@ def test_a_disconnect_aborts_the_request_in_vllm(served):
         samples = idle()
         aborted = ours(samples, "request_failure_total", reason="abort") - ours(before, "request_failure_total",
                                                                                 reason="abort")
-        served_ = ours(samples, "request_success_total") - ours(before, "request_success_total")
-        attempts.append(f"left after {left_after:.3f} s: aborted {aborted:g}, served {served_:g}")
+        succeeded = ours(samples, "request_success_total") - ours(before, "request_success_total")
+        attempts.append(f"left after {left_after:.3f} s: aborted {aborted:g}, succeeded {succeeded:g}")
         if aborted == 1:
             break
-        assert served_ == 1, f"the runtime counted the request neither as aborted nor as served: {attempts}"
+        assert succeeded == 1, f"the runtime counted the request neither as aborted nor as served: {attempts}"
     else:
         pytest.fail(f"in five attempts the client never left while the request was generating: {attempts}")
     assert finished(samples) == finished(before), "vLLM finished the request of a client that left"
