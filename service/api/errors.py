@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.protocol import ErrorInfo, ErrorResponse
-from service.engine.base import EngineError, QueueFullError, RequestTooLargeError
+from service.engine.base import EngineError, QueueFullError, RequestTooLargeError, SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def from_exception(exc: BaseException) -> ServingError:
     """Map any exception to the ServingError a client sees; unknown ones are 500s and logged."""
     if isinstance(exc, ServingError):
         return exc
-    if isinstance(exc, RequestTooLargeError):
+    if isinstance(exc, (RequestTooLargeError, SamplingError)):
         return bad_request(str(exc))
     if isinstance(exc, QueueFullError):
         return ServingError(503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_SECONDS})

@@ -109,9 +109,13 @@ async def models(request: Request) -> ModelList:
                                      max_model_len=rt.engine.max_model_len)])
 
 
-@management.get("/v1/health/live", response_model=HealthResponse)
-async def live() -> HealthResponse:
-    return HealthResponse(message="Service is live.", status="live")
+@management.get("/v1/health/live", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+async def live(request: Request) -> Response:
+    """200 while the process serves; 503 once the engine has failed for good (the process is exiting)."""
+    rt = runtime(request)
+    if rt.failure:
+        return JSONResponse(HealthResponse(message=rt.not_ready_reason(), status="not_live").model_dump(), status_code=503)
+    return JSONResponse(HealthResponse(message="Service is live.", status="live").model_dump())
 
 
 @management.get("/v1/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})

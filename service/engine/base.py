@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,10 @@ class EngineError(RuntimeError):
 
 class QueueFullError(EngineError):
     """Too many requests wait already: 503 with Retry-After."""
+
+
+class SamplingError(ValueError):
+    """A request's sampling parameters leave nothing to sample: 400, and no fault of the engine."""
 
 
 class RequestTooLargeError(ValueError):

@@ -1,12 +1,19 @@
-"""Token sampling for one sequence: penalties, logit bias, temperature, top-k, top-p, seeded draws."""
+"""Token sampling for one sequence: penalties, logit bias, temperature, top-k, top-p, seeded draws.
+
+Every distribution a request can ask for either samples or raises `SamplingError` (the request's
+own fault, never the engine's): temperatures below `SAMPLING_EPS` are greedy (as in vLLM), top-p
+keeps at least the likeliest token however small p is, and a distribution left with no finite mass
+is refused rather than handed to `torch.multinomial`.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from service.engine.base import SamplingParams, TokenLogprob, TopLogprob
+from service.engine.base import SamplingError, SamplingParams, TokenLogprob, TopLogprob
 
 
 def make_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator:
@@ -31,7 +38,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    logits = logits.float()
+    logits = (logits - logits.max()) / params.temperature  # <= 0 everywhere: no overflow at T near 0
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -40,8 +48,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         drop = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and the likeliest token always: a p below float32's range rounds to 0
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0:
+        raise SamplingError("the sampling parameters leave no token with a finite probability")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 QueueFullError, SamplingParams)
+                                 QueueFullError, SamplingError, SamplingParams)
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
@@ -118,6 +118,7 @@ class TorchEngine(Engine):
         self._dead: str | None = None
         self._failures = 0
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop `on_death` is called on
 
     def describe(self) -> str:
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
@@ -147,6 +148,7 @@ class TorchEngine(Engine):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._load)
         # Everything alive now (torch, transformers, the model's modules) lives as long as the
         # process: keep it out of the cyclic collector, whose full passes over millions of
@@ -270,7 +272,7 @@ class TorchEngine(Engine):
             log.exception("torch engine loop died")
             self._die(f"engine loop died: {type(exc).__name__}: {exc}")
             return
-        self._die("the engine has shut down")  # whatever still waits is told so
+        self._die("the engine has shut down")  # whatever still waits is told so (only `_stopping` ends the loop)
 
     def _step(self) -> None:
         deltas: dict[_RequestState, list[ChoiceDelta]] = defaultdict(list)
@@ -304,25 +306,29 @@ class TorchEngine(Engine):
         return sampled
 
     def _forward(self, group: list[Chunk], deltas: dict) -> list[tuple[Chunk, torch.Tensor]]:
-        """One forward for the group; if it fails, each chunk alone, so only a bad request fails."""
+        """One forward for the group; if it fails, each chunk alone. A chunk that fails while others
+        pass failed for its own input and ends its request only; a step in which none passes is
+        the engine's failure."""
         def run(chunks: list[Chunk]) -> torch.Tensor:
             return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks])
 
         try:
-            logits = run(group)
-            if len(group[0].tokens) == 1:  # a decode that works is the sign of a working engine
-                self._failures = 0
-            return list(zip(group, logits))
+            done, failed = list(zip(group, run(group))), []
         except Exception as exc:
-            if len(group) == 1:
-                self._fail([group[0].seq.request.owner], exc, deltas)
-                return []
-        done = []
-        for chunk in group:
-            try:
-                done.append((chunk, run([chunk])[0]))
-            except Exception as exc:
-                self._fail([chunk.seq.request.owner], exc, deltas)
+            done, failed = [], [(group[0], exc)]
+            if len(group) > 1:
+                done, failed = [], []
+                for chunk in group:
+                    try:
+                        done.append((chunk, run([chunk])[0]))
+                    except Exception as alone:
+                        failed.append((chunk, alone))
+        for chunk, exc in failed:
+            self._fail(chunk.seq.request.owner, exc, deltas)
+        if done:
+            self._failures = 0  # a forward pass that works is the sign of a working engine
+        elif failed:
+            self._engine_failed(failed[-1][1])
         return done
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
@@ -341,17 +347,19 @@ class TorchEngine(Engine):
                                          state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)
-            except Exception as exc:  # e.g. a distribution with no finite value: this request only
-                self._fail([state], exc, deltas)
+            except SamplingError as exc:  # the request's parameters: a 400 for it, no fault of the engine
+                self._fail(state, exc, deltas)
                 continue
             sampled[seq] = token
             deltas[state].append(output.append(token, logprob))
 
-    def _fail(self, states: list[_RequestState], exc: Exception, deltas: dict) -> None:
-        log.error("generation failed for %s: %s", [s.request.request_id for s in states], exc, exc_info=exc)
-        for state in states:
-            deltas[state] += [out.finish("error") for out in state.outputs if not out.finished]
-            state.error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+    def _fail(self, state: _RequestState, exc: Exception, deltas: dict) -> None:
+        """End one request with an error; the client learns what it can act on, the log the rest."""
+        log.error("generation failed for %s: %s", state.request.request_id, exc, exc_info=exc)
+        deltas[state] += [out.finish("error") for out in state.outputs if not out.finished]
+        state.error = exc if isinstance(exc, SamplingError) else EngineError("the engine failed to generate this request")
+
+    def _engine_failed(self, exc: Exception) -> None:
         self._failures += 1
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
             self._dead = f"{self._failures} forward passes failed in a row; last: {type(exc).__name__}: {exc}"
@@ -381,13 +389,18 @@ class TorchEngine(Engine):
             self._die(self._dead)
 
     def _die(self, reason: str) -> None:
-        """Fail everything in flight; readiness turns 503 and new requests are refused."""
+        """Fail everything in flight; readiness turns 503, new requests are refused, and unless
+        this is a shutdown the runtime hears of it (`on_death`) and exits so that the pod restarts."""
         self._dead = reason
         with self._cond:
+            stopping = self._stopping
             states = [*self._incoming, *self._states]
             self._incoming.clear()
             self._states.clear()
+        error = EngineError("the engine has shut down" if stopping else "the engine failed; the server restarts")
         for state in states:
             state.done = True
-            state.emit(EngineError(reason))
+            state.emit(error)
             state.emit(None)
+        if not stopping and self.on_death and self._loop:
+            self._loop.call_soon_threadsafe(self.on_death, reason)
