@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from service import __version__
 from service.api.errors import install_error_handlers
-from service.api.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from service.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from service.api.router import attach_routers
 from service.runtime import Runtime
 
@@ -53,5 +53,7 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
     attach_routers(app, runtime)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=runtime.settings.max_request_bytes)
-    app.add_middleware(RequestContextMiddleware)
+    if runtime.settings.api_key:  # outside the body limit: a request without the key is never read
+        app.add_middleware(ApiKeyMiddleware, api_key=runtime.settings.api_key)
+    app.add_middleware(RequestContextMiddleware)  # outermost: every answer carries the request id
     return app

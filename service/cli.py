@@ -73,18 +73,18 @@ def serve(settings: Settings) -> int:
         """
 
         def handle_exit(self, sig: int, frame) -> None:
-            if runtime.draining:
+            if runtime.admission.draining:
                 self.should_exit = self.force_exit = True
                 return
-            runtime.draining = True
+            runtime.admission.draining = True
             log.info("received %s: draining for up to %ss", signal.Signals(sig).name, settings.shutdown_grace_seconds)
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
 
         def _drain(self) -> None:
             deadline = time.monotonic() + settings.shutdown_grace_seconds
-            while runtime.in_flight and time.monotonic() < deadline:
+            while runtime.admission.in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
-            log.info("drained; %d request(s) still in flight", runtime.in_flight)
+            log.info("drained; %d request(s) still in flight", runtime.admission.in_flight)
             self.should_exit = True
 
     def on_fatal(reason: str) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service import __version__
+from service.admission import Admission
 from service.api.serving import OpenAIServing
 from service.engine.base import Engine, EngineBase
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
@@ -54,16 +55,16 @@ class Runtime:
     model_dir: Path
     engine: EngineBase
     served_model_name: str
+    admission: Admission
     started: int = field(default_factory=lambda: int(time.time()))
-    draining: bool = False
-    in_flight: int = 0  # inference requests not yet fully answered (streams included)
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
     serving: OpenAIServing | None = field(init=False)  # None: an engine process serves, proxied
 
     def __post_init__(self) -> None:
         self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats)
-        self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics)
+        self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
+                                      self.admission)
                         if isinstance(self.engine, Engine) else None)
 
     @property
@@ -72,12 +73,12 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready and not self.draining and self.failure is None
+        return self.engine.ready and not self.admission.draining and self.failure is None
 
     def not_ready_reason(self) -> str:
         if self.failure:
             return f"Service failed: {self.failure}"
-        if self.draining:
+        if self.admission.draining:
             return "Service is shutting down."
         return "Service is not ready: the engine is loading."
 
@@ -107,8 +108,11 @@ def build_runtime(settings: Settings) -> Runtime:
                               name=manifest.model.name, allow_download=not settings.disable_model_download)
     served_name = settings.served_model_name or manifest.model.name
     engine = make_engine(settings, profile, model_dir, served_name)
+    max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
+    per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
     return Runtime(settings=settings, manifest=manifest, profile=profile, hardware=hardware, model_dir=model_dir,
-                   engine=engine, served_model_name=served_name)
+                   engine=engine, served_model_name=served_name,
+                   admission=Admission(engine.max_num_seqs, max_queue, per_request))
 
 
 def model_context_length(model_dir: Path) -> int | None:
@@ -130,7 +134,7 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
             raise ValueError(f"{model_dir}/config.json names no max_position_embeddings: set NIM_MAX_MODEL_LEN")
         return VllmEngine(model_dir, served_name, profile, settings, max_model_len=max_model_len,
                           max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
-                          max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE), port=free_port())
+                          port=free_port())
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
     from service.engine.torch_engine import TorchEngine
@@ -139,7 +143,6 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         model_dir, device="cpu" if tags.gpu == "cpu" else "cuda", precision=tags.precision,
         max_model_len=engine_setting(settings, profile, "max_model_len", None),
         max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
-        max_queue=engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE),
         cpu_threads=engine_setting(settings, profile, "cpu_threads", None),
         kv_cache_tokens=engine_setting(settings, profile, "kv_cache_tokens", None),
         enable_prefix_caching=settings.enable_kv_cache_reuse,

@@ -43,6 +43,9 @@ class Settings(BaseModel):
         "NIM_MAX_NUM_SEQS", "--max-num-seqs", "Sequences decoded together; default: profile, then engine.", default=None, ge=1)
     max_queue: int | None = _opt(
         "NIM_MAX_QUEUE", "--max-queue", "Waiting requests before new ones get 503 + Retry-After.", default=None, ge=0)
+    max_seqs_per_request: int | None = _opt(
+        "NIM_MAX_SEQS_PER_REQUEST", "--max-seqs-per-request", "Sequences one request may make (prompts x n); above it "
+        "a 400. Default: max_num_seqs + NIM_MAX_QUEUE, what the server holds at once.", default=None, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _opt(
         "NIM_LOG_LEVEL", "--log-level", "Log level.", default="INFO")
     jsonl_logging: bool = _opt("NIM_JSONL_LOGGING", "--jsonl-logging", "1 = one JSON object per log line.", default=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,7 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.protocol import ErrorInfo, ErrorResponse
-from service.engine.base import EngineError, QueueFullError, RequestTooLargeError, SamplingError
+from service.admission import QueueFullError, ShuttingDown
+from service.engine.base import EngineError, RequestTooLargeError, SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,14 @@ def from_exception(exc: BaseException) -> ServingError:
     """Map any exception to the ServingError a client sees; unknown ones are 500s and logged."""
     if isinstance(exc, ServingError):
         return exc
-    if isinstance(exc, (RequestTooLargeError, SamplingError)):
+    if isinstance(exc, RequestTooLargeError):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, SamplingError):
         return bad_request(str(exc))
     if isinstance(exc, QueueFullError):
         return ServingError(503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_SECONDS})
+    if isinstance(exc, ShuttingDown):
+        return ServingError(503, str(exc), headers={"Retry-After": RETRY_AFTER_SECONDS})
     if isinstance(exc, EngineError):
         return ServingError(503, f"engine unavailable: {exc}", headers={"Retry-After": RETRY_AFTER_SECONDS})
     if isinstance(exc, RequestValidationError):
@@ -64,9 +70,17 @@ def from_exception(exc: BaseException) -> ServingError:
     return ServingError(500, f"internal error: {type(exc).__name__}")
 
 
+# Parts of a pydantic error location that name a union's member type, not a field: `str`,
+# `list[int]`, `function-after[_unicode(), str]`, `TextPart` (our fields are lower-case words).
+UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|dict|list|none|[A-Z]\w*)$")
+
+
 def _validation_error(exc: RequestValidationError) -> ServingError:
-    error = exc.errors()[0]
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    """The first error, but a value's own error before a union's type mismatches: `"prompt":
+    "\\ud800"` fails the `str` member for its surrogate and the `list` members for its type."""
+    errors = exc.errors()
+    error = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    loc = [str(part) for part in error.get("loc", ()) if part != "body" and not UNION_MEMBER.search(str(part))]
     if error.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}")
     if error.get("type") == "extra_forbidden":

@@ -1,10 +1,12 @@
-"""Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): request ids, access logs, body limit."""
+"""Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): request ids, access logs, the API
+key, the body limit."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+import secrets
 import time
 import uuid
 
@@ -14,6 +16,18 @@ from service.logs import request_id_var
 log = logging.getLogger("service.access")
 REQUEST_ID_HEADER = b"x-request-id"
 VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# What NIM_API_KEY leaves open: probes, management, metrics and the API's own description.
+PUBLIC_PATHS = frozenset({"/v1/health/live", "/v1/health/ready", "/v1/metadata", "/v1/version", "/v1/manifest",
+                          "/v1/metrics", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+async def send_error(send, error: ServingError) -> None:
+    """Answer with the OpenAI error shape before the app has seen the request."""
+    body = json.dumps(error.body().model_dump()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class RequestContextMiddleware:
@@ -85,8 +99,22 @@ class BodyLimitMiddleware:
         await self.app(scope, replay_receive, send)
 
     async def _reject(self, send) -> None:
-        error = ServingError(413, f"request body larger than {self.max_bytes} bytes (NIM_MAX_REQUEST_BYTES)")
-        body = json.dumps(error.body().model_dump()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, ServingError(413, f"request body larger than {self.max_bytes} bytes (NIM_MAX_REQUEST_BYTES)"))
+
+
+class ApiKeyMiddleware:
+    """With NIM_API_KEY set, every route but `PUBLIC_PATHS` needs `Authorization: Bearer <key>`,
+    checked before the body is read: a client without the key learns nothing about its body."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.key):
+            return await send_error(send, ServingError(
+                401, "missing or invalid API key: send `Authorization: Bearer <NIM_API_KEY>`",
+                headers={"WWW-Authenticate": "Bearer"}))
+        await self.app(scope, receive, send)

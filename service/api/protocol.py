@@ -1,19 +1,33 @@
 """OpenAI API schemas (requests and responses). Schemas only: the logic lives in `serving.py`.
 
-Requests forbid unknown fields so an unsupported parameter is refused with 400, never ignored.
-Our own extensions (vLLM's) are marked with a description.
+Requests forbid unknown fields so an unsupported parameter is refused with 400, never ignored, and
+are strict, as OpenAI's API is: `"temperature": "0.5"` or `false` is a 400, not a coercion (an
+integer still stands for a float). Text must be valid Unicode: a lone surrogate, which JSON can
+carry and no tokenizer can encode, is a 400 naming the field. Our own extensions (vLLM's) are
+marked with a description.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {text[exc.start]!r} at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class ResponseBase(BaseModel):
@@ -55,26 +69,27 @@ class SamplingFields(OpenAIBase):
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
     top_k: int | None = Field(None, ge=-1, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
-    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end a choice.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="Extension: token ids that end a choice.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
 
 
 # -- chat completions ----------------------------------------------------------------------
 class TextPart(OpenAIBase):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIBase):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -157,7 +172,7 @@ class ChatCompletionChunk(ResponseBase):
 # -- completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -103,9 +103,6 @@ async def forward(request: Request) -> Response:
     generates = PROXIED[path]
     if not rt.ready:
         raise ServingError(503, rt.not_ready_reason(), headers=RETRY)
-    if generates and rt.in_flight >= engine.max_num_seqs + engine.max_queue:
-        raise ServingError(503, f"too many requests: {rt.in_flight} in flight (NIM_MAX_QUEUE={engine.max_queue})",
-                           headers=RETRY)
     body = await request.body()
     payload = _json(body)
     streaming = isinstance(payload, dict) and payload.get("stream") is True
@@ -116,16 +113,16 @@ async def forward(request: Request) -> Response:
     if query := request.url.query:
         path = f"{path}?{query}"
     observed = Observed()
-    rt.in_flight += 1
+    rt.admission.enter(bounded=generates)
     try:
         response = await cancel_on_disconnect(request, _post(engine.client, path, body, _headers(request)))
     except Exception as exc:
-        rt.in_flight -= 1
+        rt.admission.leave()
         if generates:
             observed.record(rt.metrics, "error")
         raise ServingError(503, f"the engine did not answer: {type(exc).__name__}", headers=RETRY) from None
     if isinstance(response, Response):  # the client went away before the engine answered
-        rt.in_flight -= 1
+        rt.admission.leave()
         if generates:
             observed.record(rt.metrics, "abort")
         return response
@@ -135,7 +132,7 @@ async def forward(request: Request) -> Response:
             content = await response.read()
         finally:
             response.release()
-            rt.in_flight -= 1
+            rt.admission.leave()
         if generates and response.status == 200:
             reply = _json(content) or {}
             observed.usage = _counts(reply.get("usage"))
@@ -165,7 +162,7 @@ async def _relay(rt, response, observed: Observed, keep_usage_chunk: bool):
         nonlocal settled
         if not settled:
             settled = True
-            rt.in_flight -= 1
+            rt.admission.leave()
             observed.record(rt.metrics, failure)
 
     failure, pending = "abort", b""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
+
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from service.api.errors import ServingError
+from service.admission import Admission, ShuttingDown
 from service.api.serving import SSEStream
 from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                   CompletionResponse, ErrorResponse, HealthResponse, ModelCard, ModelList)
@@ -21,27 +21,15 @@ def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-async def require_api_key(request: Request) -> None:
-    """With NIM_API_KEY set, inference routes need `Authorization: Bearer <key>`. The dependencies are
-    async because they never block: FastAPI runs a plain `def` one in its thread pool, two thread
-    hops on every inference request."""
-    key = runtime(request).settings.api_key
-    if not key:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
-        raise ServingError(401, "missing or invalid API key: send `Authorization: Bearer <NIM_API_KEY>`",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-
 async def refuse_while_draining(request: Request) -> None:
-    if runtime(request).draining:
-        raise ServingError(503, "the server is shutting down", headers={"Retry-After": "1"})
+    """Async because it never blocks: FastAPI runs a plain `def` dependency in its thread pool."""
+    if runtime(request).admission.draining:
+        raise ShuttingDown("the server is shutting down")
 
 
-INFERENCE_DEPENDENCIES = [Depends(require_api_key), Depends(refuse_while_draining)]
-inference = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)  # the in-process engine's routes
-models_router = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)
+# NIM_API_KEY is checked before any of these routes reads its body (ApiKeyMiddleware).
+inference = APIRouter(responses=ERRORS)  # the in-process engine's routes
+models_router = APIRouter(dependencies=[Depends(refuse_while_draining)], responses=ERRORS)
 management = APIRouter()
 
 
@@ -64,40 +52,52 @@ async def cancel_on_disconnect(request: Request, work):
 
 
 async def respond(request: Request, work) -> Response:
-    """Turn a serving result into a response, counting the request in flight until its last byte."""
-    rt = runtime(request)
-    rt.in_flight += 1
+    """Turn a serving result into a response, admitted and counted in flight until its last byte."""
+    admission = runtime(request).admission
+    try:
+        admission.enter()
+    except Exception:
+        work.close()  # never started
+        raise
     try:
         result = await cancel_on_disconnect(request, work)
     except BaseException:
-        rt.in_flight -= 1
+        admission.leave()
         raise
     if isinstance(result, SSEStream):
-        return StreamingResponse(_counted(rt, request, result), media_type="text/event-stream",
+        return StreamingResponse(_counted(admission, request, result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    rt.in_flight -= 1
+    admission.leave()
     if isinstance(result, Response):
         return result
     request.state.usage = result.usage
     return JSONResponse(result.model_dump())
 
 
-async def _counted(rt: Runtime, request: Request, stream: SSEStream):
+async def _counted(admission: Admission, request: Request, stream: SSEStream):
     try:
         async for chunk in stream:
             yield chunk
     finally:
-        rt.in_flight -= 1
+        admission.leave()
         request.state.usage = stream.usage
         await stream.aclose()
 
 
-@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+def _streamed(model: type) -> dict:
+    """The OpenAPI answer of a route that streams with `stream: true`: JSON, or SSE events."""
+    return {200: {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
+                              "text/event-stream": {"schema": {"type": "string", "description": (
+                                  "with `stream: true`: Server-Sent Events, `data: <chunk JSON>` each, then "
+                                  "`data: [DONE]`")}}}}}
+
+
+@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streamed(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.chat(body, request.state.request_id))
 
 
-@inference.post("/v1/completions", response_model=CompletionResponse)
+@inference.post("/v1/completions", response_model=CompletionResponse, responses=_streamed(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.completion(body, request.state.request_id))
 
@@ -158,6 +158,6 @@ def attach_routers(app: FastAPI, runtime_: Runtime) -> None:
     else:
         from service.api.proxy import attach_proxy
 
-        proxied = APIRouter(dependencies=INFERENCE_DEPENDENCIES, responses=ERRORS)
+        proxied = APIRouter(responses=ERRORS)
         attach_proxy(proxied)
         app.include_router(proxied)

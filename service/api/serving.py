@@ -12,6 +12,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jinja2 import TemplateError
+
+from service.admission import Admission
 from service.api.encoding import prompt_encoder
 from service.api.errors import ServingError, bad_request, from_exception, sse_error
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
@@ -77,20 +80,22 @@ class SSEStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics) -> None:
+    def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission) -> None:
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
+        self.admission = admission
         self._encode = prompt_encoder(tokenizer)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str):
         self._check_model(req.model)
         self._check_chat_support(req)
+        self.admission.check_size(1, req.n)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         try:
             prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
-        except Exception as exc:  # the template refuses some role orders; that is the client's input
-            raise bad_request(f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+        except TemplateError as exc:  # the template's own refusal (a role order it does not take)
+            raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling(req, [prompt], max_tokens, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None)
@@ -152,7 +157,7 @@ class OpenAIServing:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.n)
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs)
         job = Job(f"cmpl-{request_id}", prompts, params)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
@@ -167,7 +172,7 @@ class OpenAIServing:
                    for i, c in sorted(job.choices.items())]
         return CompletionResponse(id=job.request_id, model=self.model_name, choices=choices, usage=job.usage)
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts = [prompt]
         elif not prompt:
@@ -176,6 +181,7 @@ class OpenAIServing:
             prompts = [prompt]
         else:
             prompts = prompt
+        self.admission.check_size(len(prompts), n)  # before any prompt is encoded
         vocab = len(self.tokenizer)
         token_lists = []
         for item in prompts:
@@ -238,8 +244,9 @@ class OpenAIServing:
         if max_tokens is not None and longest + max_tokens > limit:
             raise bad_request(f"this model's maximum context length is {limit} tokens; {longest} prompt tokens plus "
                               f"{max_param}={max_tokens} exceed it", max_param)
-        if req.n > self.engine.max_num_seqs:
-            raise bad_request(f"n must be at most {self.engine.max_num_seqs} (max_num_seqs)", "n")
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for t in req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be token ids of this model, in [0, {vocab})", "stop_token_ids")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")

@@ -79,16 +79,16 @@ class EngineError(RuntimeError):
     """The engine cannot serve (not started, or dead): the HTTP layer answers 503."""
 
 
-class QueueFullError(EngineError):
-    """Too many requests wait already: 503 with Retry-After."""
-
-
 class SamplingError(ValueError):
     """A request's sampling parameters leave nothing to sample: 400, and no fault of the engine."""
 
 
 class RequestTooLargeError(ValueError):
-    """The request can never fit the engine (its KV cache): 400, as a prompt over the context is."""
+    """The request can never be served (its KV cache, its sequences): 400, as a prompt over the context is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineBase(ABC):
@@ -145,5 +145,4 @@ class ProcessEngine(EngineBase):
 
     base_url: str
     command: list[str]
-    max_queue: int
     client: Any  # an aiohttp.ClientSession with the child, once started

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 QueueFullError, SamplingError, SamplingParams)
+                                 SamplingError, SamplingParams)
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
@@ -90,7 +90,7 @@ def _deliver(batch: list[tuple[_RequestState, list[ChoiceDelta]]]) -> None:
 
 class TorchEngine(Engine):
     def __init__(self, model_dir: Path, *, device: str = "cpu", precision: str = "fp32",
-                 max_model_len: int | None = None, max_num_seqs: int = 32, max_queue: int = 256,
+                 max_model_len: int | None = None, max_num_seqs: int = 32,
                  cpu_threads: int | None = None, kv_cache_tokens: int | None = None,
                  enable_prefix_caching: bool = True) -> None:
         if precision not in DTYPES:
@@ -99,7 +99,6 @@ class TorchEngine(Engine):
         self.device = torch.device(device)
         self.dtype = DTYPES[precision]
         self.max_num_seqs = max_num_seqs
-        self.max_queue = max_queue
         self.cpu_threads = cpu_threads  # None: chosen from the model once it is loaded
         self._load_tokenizer(max_model_len)
         # The pool's default holds every sequence at full length, as per-slot reservation did; it
@@ -188,7 +187,8 @@ class TorchEngine(Engine):
 
     # -- requests (event-loop side) --------------------------------------------------------
     def generate(self, request: GenerationRequest) -> AsyncIterator[list[ChoiceDelta]]:
-        """Admit the request now (raising QueueFullError/EngineError at once), stream it later."""
+        """Take the request now (raising EngineError or RequestTooLargeError at once), stream it later.
+        How many requests may wait is the runtime's `Admission`, before a request gets here."""
         if not self.ready:
             raise EngineError(self._dead or "the engine is not ready")
         params, prompt = request.params, request.prompt_token_ids
@@ -200,9 +200,6 @@ class TorchEngine(Engine):
                               [make_generator(params, i, self.device) for i in range(params.n)], scheduled)
         scheduled.owner = state
         with self._cond:
-            waiting = len(self._incoming) + len(self.scheduler.waiting)
-            if waiting >= self.max_queue:
-                raise QueueFullError(f"{waiting} requests are waiting already (NIM_MAX_QUEUE={self.max_queue})")
             self._incoming.append(state)
             self._cond.notify()
         return self._stream(state)
@@ -307,8 +304,9 @@ class TorchEngine(Engine):
 
     def _forward(self, group: list[Chunk], deltas: dict) -> list[tuple[Chunk, torch.Tensor]]:
         """One forward for the group; if it fails, each chunk alone. A chunk that fails while others
-        pass failed for its own input and ends its request only; a step in which none passes is
-        the engine's failure."""
+        pass failed for its own input and ends its request only; a group in which none passes is
+        the engine's failure, until a decode step works again (a prefill that works does not prove
+        the device well: a faulted GPU may fail only decodes)."""
         def run(chunks: list[Chunk]) -> torch.Tensor:
             return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks])
 
@@ -325,10 +323,10 @@ class TorchEngine(Engine):
                         failed.append((chunk, alone))
         for chunk, exc in failed:
             self._fail(chunk.seq.request.owner, exc, deltas)
-        if done:
-            self._failures = 0  # a forward pass that works is the sign of a working engine
-        elif failed:
+        if failed and not done:
             self._engine_failed(failed[-1][1])
+        elif not failed and len(group[0].tokens) == 1:  # a decode that works: a working engine
+            self._failures = 0
         return done
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, deltas: dict, sampled: dict) -> None:

@@ -30,7 +30,7 @@ log = logging.getLogger("service.engine.vllm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANTIZATION = {"fp8": "fp8"}  # int8 / int4 checkpoints carry their own quantization config
 # engine_args the runtime itself consumes rather than passing to vLLM
-RUNTIME_ARGS = frozenset({"max_queue", "cpu_threads", "kv_cache_tokens"})
+RUNTIME_ARGS = frozenset({"max_queue", "max_seqs_per_request", "cpu_threads", "kv_cache_tokens"})
 START_TIMEOUT_S = 1800.0  # weights download and warm-up compile on big models; the startup probe bounds it
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 20.0
@@ -98,8 +98,8 @@ def _die_with_parent() -> None:
 
 class VllmEngine(ProcessEngine):
     def __init__(self, model_dir: Path, served_name: str, profile: Profile, settings: Settings,
-                 max_model_len: int, max_num_seqs: int, max_queue: int, port: int) -> None:
-        self.max_model_len, self.max_num_seqs, self.max_queue = max_model_len, max_num_seqs, max_queue
+                 max_model_len: int, max_num_seqs: int, port: int) -> None:
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.base_url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                         *vllm_arguments(model_dir, served_name, profile, settings, max_model_len, max_num_seqs, port)]

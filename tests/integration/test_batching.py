@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from factory.tinymodel import memorised_pairs
-from service.engine.base import (EngineError, GenerationRequest, QueueFullError, RequestTooLargeError,
+from service.engine.base import (EngineError, GenerationRequest, RequestTooLargeError,
                                  SamplingParams)
 from service.engine.torch_engine import TorchEngine
 
@@ -112,17 +112,15 @@ async def test_abort_mid_batch_frees_the_blocks_and_spares_the_others(engine):
     assert engine.stats().running == 0 and engine.pool.num_used == 0
 
 
-async def test_requests_wait_for_slots_then_the_queue_refuses(tiny_model_dir):
-    engine = TorchEngine(tiny_model_dir, max_num_seqs=2, max_queue=2)
+async def test_requests_wait_for_slots(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, max_num_seqs=2)
     await engine.start()
     try:
-        reqs = [request(engine, "C", temperature=0, max_tokens=300, ignore_eos=True) for _ in range(5)]
+        reqs = [request(engine, "C", temperature=0, max_tokens=300, ignore_eos=True) for _ in range(4)]
         running = [engine.generate(r) for r in reqs[:2]]
         await asyncio.gather(*(anext(s) for s in running))  # both admitted: every slot is taken
         waiting = [engine.generate(r) for r in reqs[2:4]]
         assert engine.stats().running == 2 and engine.stats().waiting == 2
-        with pytest.raises(QueueFullError):
-            engine.generate(reqs[4])
         for stream in running:  # finishing the running ones lets the waiting ones in
             await stream.aclose()
         assert all([await anext(s) for s in waiting])
@@ -159,7 +157,7 @@ async def test_a_failing_request_fails_alone(engine, monkeypatch):
     bad = GenerationRequest("bad", poison, SamplingParams(max_tokens=5))
     results = await asyncio.gather(collect(engine, good), collect(engine, bad), return_exceptions=True)
     assert results[0] == expected
-    assert isinstance(results[1], EngineError) and "injected" in str(results[1])
+    assert isinstance(results[1], EngineError) and "injected" not in str(results[1]), "internal text is for the log"
     assert engine.ready
 
 

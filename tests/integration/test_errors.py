@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -149,3 +151,55 @@ def test_request_id_is_echoed_or_made(server):
     assert len(made.headers["x-request-id"]) == 32
     completion = httpx.post(server.url + COMPLETIONS, json=completion_body(), headers={"X-Request-Id": "req-9"})
     assert completion.json()["id"] == "cmpl-req-9"
+
+
+# -- what a hostile client sent (issue: hostile input) ----------------------------------------
+@pytest.mark.parametrize("route,body,param", [
+    (COMPLETIONS, completion_body(prompt="\ud800abc"), "prompt"),
+    (COMPLETIONS, completion_body(prompt=["fine", "\udfffx"]), "prompt"),
+    (COMPLETIONS, completion_body(stop="\ud800"), "stop"),
+    (CHAT, chat_body(messages=[{"role": "user", "content": "\ud800abc"}]), "messages.0.content"),
+    (CHAT, chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]), "messages.0.content"),
+])
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(server, route, body, param):
+    content = json.dumps(body).encode()  # the lone surrogate as the JSON escape "\ud800" a client sends
+    error = assert_openai_error(httpx.post(server.url + route, content=content,
+                                           headers={"content-type": "application/json"}), 400)
+    assert error["param"].startswith(param) and "surrogate" in error["message"]
+    assert "TextEncodeInput" not in error["message"] and "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    (completion_body(prompt=["x"] * 1000), "prompt"),
+    (completion_body(prompt=["x"] * 255, n=32), "prompt"),
+    (completion_body(n=33), "n"),
+])
+def test_more_sequences_than_a_request_may_make_is_a_400_not_a_retryable_503(server, body, param):
+    error = assert_openai_error(httpx.post(server.url + COMPLETIONS, json=body), 400, param)
+    assert "NIM_MAX" in error["message"]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(temperature=False), "temperature"),
+    (CHAT, chat_body(temperature="0.5"), "temperature"),
+    (COMPLETIONS, completion_body(top_p="1"), "top_p"),
+    (COMPLETIONS, completion_body(n=2.0), "n"),
+    (COMPLETIONS, completion_body(max_tokens=True), "max_tokens"),
+    (COMPLETIONS, completion_body(stream="yes"), "stream"),
+    (COMPLETIONS, completion_body(stop_token_ids=[-5]), "stop_token_ids.0"),
+    (COMPLETIONS, completion_body(stop_token_ids=[99999]), "stop_token_ids"),
+])
+def test_sampling_fields_are_strictly_typed_and_ranged(server, route, body, param):
+    assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
+
+
+def test_integers_still_stand_for_floats(server):
+    response = httpx.post(server.url + COMPLETIONS, json=completion_body(temperature=0, top_p=1, presence_penalty=1))
+    assert response.status_code == 200, response.text
+
+
+def test_the_openapi_document_describes_streamed_answers(server):
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    for route in (CHAT, COMPLETIONS):
+        content = paths[route]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(content), route

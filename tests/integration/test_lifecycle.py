@@ -104,6 +104,9 @@ def test_api_key_guards_inference_and_never_leaks(tiny_model_dir, tmp_path):
             OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
         missing = httpx.post(server.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x"})
         assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        unread = httpx.post(server.url + "/v1/completions", content=b'{"prompt": ', headers={"authorization": "Bearer no"})
+        assert unread.status_code == 401, "the key is checked before the body is parsed"
+        assert unread.headers["www-authenticate"] == "Bearer" and unread.headers["x-request-id"]
         good = OpenAI(base_url=f"{server.url}/v1", api_key=secret, max_retries=0)
         reply = good.completions.create(model="tiny-llama", prompt="Owls", max_tokens=5,
                                         extra_headers={"X-Request-Id": "logged-request"})

@@ -4,6 +4,7 @@ import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
+from service.admission import Admission
 from service.api.proxy import Observed, _event, _relay
 from service.engine.base import EngineStats
 from service.engine.vllm_process import gauges_from_vllm, vllm_arguments
@@ -123,14 +124,14 @@ def test_events_are_relayed_as_they_arrive_whatever_the_reads_cut():
         pieces, rt = _relayed(upstream)
         assert b"".join(pieces) == first + second + b"data: [DONE]\n\n", cuts  # the usage chunk dropped
         assert all(pieces), "no empty writes"
-        assert (_succeeded(rt), rt.in_flight, upstream.ended) == (1, 0, "released")
+        assert (_succeeded(rt), rt.admission.in_flight, upstream.ended) == (1, 0, "released")
     pieces, _ = _relayed(_Upstream(body.replace(b"\n", b"\r\n"), (7,)), keep_usage_chunk=True)
     assert b"".join(pieces) == body, "CRLF line ends are read as LF, and the usage chunk kept when asked for"
 
 
 def _runtime() -> SimpleNamespace:
     stats = EngineStats(running=0, waiting=0, max_num_seqs=4, kv_cache_usage=0.0)
-    return SimpleNamespace(in_flight=1, metrics=ServiceMetrics("m", 512, lambda: stats))
+    return SimpleNamespace(admission=Admission(1, 1, 2, in_flight=1), metrics=ServiceMetrics("m", 512, lambda: stats))
 
 
 def _succeeded(rt) -> float:
@@ -153,12 +154,12 @@ def test_a_stream_is_counted_before_its_final_event_reaches_the_client():
         async for event in relay:
             seen.append(event)
             if event.endswith(b"data: [DONE]\n\n"):
-                assert (_succeeded(rt), rt.in_flight) == (1, 0), "counted only after the client had [DONE]"
+                assert (_succeeded(rt), rt.admission.in_flight) == (1, 0), "counted only after the client had [DONE]"
                 await relay.aclose()  # the client closes before the engine ends its stream
         return seen
 
     assert len(asyncio.run(client_leaves_on_done())) == 2
-    assert (_succeeded(rt), rt.in_flight, upstream.ended) == (1, 0, "closed")
+    assert (_succeeded(rt), rt.admission.in_flight, upstream.ended) == (1, 0, "closed")
     assert _aborted(rt) == 0
 
 
@@ -174,7 +175,7 @@ def test_a_client_that_leaves_mid_stream_is_an_abort_and_a_responses_stream_coun
 
     asyncio.run(leave_after_first())
     assert _aborted(rt) == 1
-    assert (_succeeded(rt), rt.in_flight, upstream.ended) == (0, 0, "closed")
+    assert (_succeeded(rt), rt.admission.in_flight, upstream.ended) == (0, 0, "closed")
 
     observed = Observed()
     _event(b'event: response.completed\n'

@@ -1,0 +1,58 @@
+"""Request admission, one object for both engines: what may come in, what is in flight, and drain.
+
+Every inference request passes `enter()` before it runs and `leave()` once its last byte is sent
+(or its client has gone), whichever engine serves it. Two kinds of refusal, kept apart:
+- a request that no wait could ever admit (more sequences than one request may make) is the
+  client's error: `RequestTooLargeError`, a 400 naming the field;
+- a request that a busy or stopping server cannot take now: `QueueFullError` or `ShuttingDown`, a
+  503 with Retry-After, which a retry can get past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.engine.base import EngineError, RequestTooLargeError
+
+
+class QueueFullError(EngineError):
+    """Too many requests are in flight already: 503 with Retry-After."""
+
+
+class ShuttingDown(EngineError):
+    """The server drains after SIGTERM and takes no new request: 503 with Retry-After."""
+
+
+@dataclass
+class Admission:
+    max_num_seqs: int  # sequences the engine decodes together
+    max_queue: int  # requests in flight beyond those, waiting, before new ones get 503
+    max_seqs_per_request: int  # prompts x n that one request may make
+    in_flight: int = 0  # requests entered and not yet left (streams until their last byte)
+    draining: bool = False
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_num_seqs + self.max_queue
+
+    def check_size(self, prompts: int, n: int) -> None:
+        """400 for a request larger than any wait could admit (a retry would fail the same way)."""
+        if n > self.max_num_seqs:
+            raise RequestTooLargeError(f"n must be at most {self.max_num_seqs} (NIM_MAX_NUM_SEQS)", "n")
+        if prompts * n > self.max_seqs_per_request:
+            raise RequestTooLargeError(
+                f"{prompts} prompt(s) x n={n} make {prompts * n} sequences; one request may make at most "
+                f"{self.max_seqs_per_request} (NIM_MAX_SEQS_PER_REQUEST)", "prompt" if prompts > 1 else "n")
+
+    def enter(self, bounded: bool = True) -> None:
+        """Count a request in flight, or refuse it (503). `bounded=False`: a request that generates
+        nothing (an engine's /tokenize) is counted for drain but never refused for a full queue."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+        if bounded and self.in_flight >= self.max_in_flight:
+            raise QueueFullError(f"{self.in_flight} requests in flight already (NIM_MAX_NUM_SEQS={self.max_num_seqs} "
+                                 f"running + NIM_MAX_QUEUE={self.max_queue} waiting)")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
