@@ -202,9 +202,15 @@ def _engines_the_flavor_lacks(spec: ModelSpec) -> list[str]:
 def load_spec(path: str | Path) -> LoadedSpec:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecError([f"{path}: file not found"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory; name a spec file in it (pipelines/models/*.yaml)"]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"{path}: not UTF-8 text (byte {exc.start}): a spec is a YAML file"]) from None
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot be read: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:
         raise SpecError([f"{path}: not valid YAML: {' '.join(str(exc).split())}"]) from None
     if not isinstance(data, dict):

@@ -141,3 +141,16 @@ def test_pipeline_files(tmp_path):
     bad.write_text("apiVersion: inferkiln/v1\nkind: Pipeline\nspecs: [a.yaml]\nstages: [bake]\n")
     with pytest.raises(PipelineError, match="stages.0"):
         load_pipeline(bad)
+
+
+@pytest.mark.parametrize("command", [["validate"], ["render", "-o", "out"], ["chart"], ["build"]])
+@pytest.mark.parametrize("make,words", [
+    (lambda d: d, "is a directory"),
+    (lambda d: (d / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1")) and d / "latin1.yaml", "not UTF-8"),
+    (lambda d: d / "absent.yaml", "file not found"),
+])
+def test_a_spec_path_that_is_no_spec_file_is_one_line_and_exit_2(tmp_path, command, make, words):
+    path = make(tmp_path)
+    result = CliRunner().invoke(app, [*command[:1], str(path), *command[1:]], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output
