@@ -47,3 +47,11 @@ if ! .venv-aiperf/bin/python -c "import aiperf" 2>/dev/null; then
     "$PYTHON" -m venv .venv-aiperf
     .venv-aiperf/bin/pip install --quiet --disable-pip-version-check "$AIPERF_SPEC"
 fi
+# Schemathesis, likewise in its own environment (its pins are its own): the suite fuzzes both
+# runtimes with its CLI, from the OpenAPI document they serve.
+SCHEMATHESIS_SPEC=schemathesis==4.32.5
+if ! .venv-schemathesis/bin/st --version >/dev/null 2>&1; then
+    echo "setup: installing $SCHEMATHESIS_SPEC into .venv-schemathesis" >&2
+    "$PYTHON" -m venv .venv-schemathesis
+    .venv-schemathesis/bin/pip install --quiet --disable-pip-version-check "$SCHEMATHESIS_SPEC"
+fi

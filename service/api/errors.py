@@ -94,5 +94,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         return error_response(from_exception(exc))
 
-    for exc_type in (ServingError, RequestValidationError, StarletteHTTPException, EngineError, Exception):
+    # Every type `from_exception` maps is registered by name: Starlette answers a bare `Exception`
+    # handler's catch and then re-raises it (logged as a 500 with a traceback) even when the answer
+    # was a 400.
+    for exc_type in (ServingError, RequestValidationError, StarletteHTTPException, EngineError, RequestTooLargeError,
+                     SamplingError, Exception):
         app.add_exception_handler(exc_type, handle)

@@ -1,8 +1,9 @@
 """OpenAI API schemas (requests and responses). Schemas only: the logic lives in `serving.py`.
 
 Requests forbid unknown fields so an unsupported parameter is refused with 400, never ignored, and
-are strict, as OpenAI's API is: `"temperature": "0.5"` or `false` is a 400, not a coercion (an
-integer still stands for a float). Text must be valid Unicode: a lone surrogate, which JSON can
+are strict, as OpenAI's API is: `"temperature": "0.5"` or `false` is a 400, not a coercion. Numbers
+keep JSON Schema's meaning, which our OpenAPI document states: an integer stands for a float, and
+an integral float (`2.0`) for an integer. Text must be valid Unicode: a lone surrogate, which JSON can
 carry and no tokenizer can encode, is a 400 naming the field. Our own extensions (vLLM's) are
 marked with a description.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class OpenAIBase(BaseModel):
@@ -28,6 +29,16 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds: int) -> Any:
+    """An integer field with its bounds, strict, but 2.0 is an integer (JSON Schema's "integer").
+    The bounds sit inside the type so that the schema states them as minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
 class ResponseBase(BaseModel):
@@ -66,17 +77,17 @@ class SamplingFields(OpenAIBase):
 
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: Int(ge=1, le=128) = 1
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: Int() | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+    top_k: Int(ge=-1) | None = Field(None, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
+    stop_token_ids: list[Int(ge=0)] | None = Field(
         None, description="Extension: token ids that end a choice.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
 
@@ -102,9 +113,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Int(ge=0, le=20) | None = None
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -172,11 +183,11 @@ class ChatCompletionChunk(ResponseBase):
 # -- completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: Text | list[Text] | list[int] | list[list[int]]
-    best_of: int | None = Field(None, ge=1)
+    prompt: Text | list[Text] | list[Int()] | list[list[Int()]]
+    best_of: Int(ge=1) | None = None
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    max_tokens: int | None = Field(16, ge=1)
+    logprobs: Int(ge=0, le=20) | None = None
+    max_tokens: Int(ge=1) | None = 16
     suffix: str | None = None
 
 

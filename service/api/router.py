@@ -9,8 +9,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.admission import Admission, ShuttingDown
 from service.api.serving import SSEStream
-from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                  CompletionResponse, ErrorResponse, HealthResponse, ModelCard, ModelList)
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from service.api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                  CompletionRequest, CompletionResponse, ErrorResponse, HealthResponse, ModelCard,
+                                  ModelList)
 from service.runtime import Runtime
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
@@ -84,20 +88,43 @@ async def _counted(admission: Admission, request: Request, stream: SSEStream):
         await stream.aclose()
 
 
-def _streamed(model: type) -> dict:
-    """The OpenAPI answer of a route that streams with `stream: true`: JSON, or SSE events."""
-    return {200: {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}},
-                              "text/event-stream": {"schema": {"type": "string", "description": (
-                                  "with `stream: true`: Server-Sent Events, `data: <chunk JSON>` each, then "
-                                  "`data: [DONE]`")}}}}}
+def _streamed(model: type, chunk: type) -> dict:
+    """The OpenAPI answer of a route that streams with `stream: true`: JSON, or Server-Sent Events.
+    For an event stream, OpenAPI 3.1's schema describes each event: its `data` is a chunk (or the
+    error shape, once a stream fails) as JSON text, or the final `[DONE]`."""
+    def ref(name: str) -> dict:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    json_chunk = {"type": "string", "contentMediaType": "application/json",
+                  "contentSchema": {"anyOf": [ref(chunk.__name__), ref(ErrorResponse.__name__)]}}
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_chunk]}, "event": {"type": "string"}}}
+    return {200: {"content": {"application/json": {"schema": ref(model.__name__)},
+                              "text/event-stream": {"schema": event}}}}
 
 
-@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streamed(ChatCompletionResponse))
+STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse, ErrorResponse)
+
+
+def openapi_with_stream_chunks(app: FastAPI) -> dict:
+    """FastAPI's document, with the chunk models the event streams name among its components."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, definitions = models_json_schema([(m, "serialization") for m in STREAM_CHUNKS],
+                                            ref_template="#/components/schemas/{model}")
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for name, schema in definitions.get("$defs", {}).items():
+            schemas.setdefault(name, schema)
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streamed(ChatCompletionResponse, ChatCompletionChunk))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.chat(body, request.state.request_id))
 
 
-@inference.post("/v1/completions", response_model=CompletionResponse, responses=_streamed(CompletionResponse))
+@inference.post("/v1/completions", response_model=CompletionResponse, responses=_streamed(CompletionResponse, CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.completion(body, request.state.request_id))
 
@@ -151,6 +178,7 @@ async def metrics(request: Request) -> Response:
 
 def attach_routers(app: FastAPI, runtime_: Runtime) -> None:
     """Management routes always; inference routes served in-process, or proxied to an engine process."""
+    app.openapi = lambda: openapi_with_stream_chunks(app)
     app.include_router(management)
     app.include_router(models_router)
     if runtime_.serving is not None:

@@ -183,7 +183,8 @@ def test_more_sequences_than_a_request_may_make_is_a_400_not_a_retryable_503(ser
     (CHAT, chat_body(temperature=False), "temperature"),
     (CHAT, chat_body(temperature="0.5"), "temperature"),
     (COMPLETIONS, completion_body(top_p="1"), "top_p"),
-    (COMPLETIONS, completion_body(n=2.0), "n"),
+    (COMPLETIONS, completion_body(n=2.5), "n"),
+    (COMPLETIONS, completion_body(n="2"), "n"),
     (COMPLETIONS, completion_body(max_tokens=True), "max_tokens"),
     (COMPLETIONS, completion_body(stream="yes"), "stream"),
     (COMPLETIONS, completion_body(stop_token_ids=[-5]), "stop_token_ids.0"),
@@ -193,9 +194,12 @@ def test_sampling_fields_are_strictly_typed_and_ranged(server, route, body, para
     assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
 
 
-def test_integers_still_stand_for_floats(server):
-    response = httpx.post(server.url + COMPLETIONS, json=completion_body(temperature=0, top_p=1, presence_penalty=1))
+def test_numbers_keep_json_schemas_meaning(server):
+    """An integer is a float and an integral float an integer, as the OpenAPI document's types say."""
+    response = httpx.post(server.url + COMPLETIONS, json=completion_body(temperature=0, top_p=1, presence_penalty=1,
+                                                                        max_tokens=3.0, n=2.0, seed=7.0))
     assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 6
 
 
 def test_the_openapi_document_describes_streamed_answers(server):
