@@ -38,11 +38,26 @@ def summarize(latencies: list[float], wall: float) -> dict:
     }
 
 
+# The CPU features that change what an engine computes fast (bf16, int8 and matrix units).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu() -> dict:
+    """The CPU's model name and which of CPU_FLAGS it has, from /proc/cpuinfo."""
+    fields: dict[str, str] = {}
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.is_file() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", platform.processor()), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def machine() -> dict:
     """The machine a result was measured on: cores this process may use, not torch's thread setting
-    (a benchmark may have changed that)."""
-    return {"cpu_count": len(os.sched_getaffinity(0)), "platform": platform.platform(), "torch": torch.__version__,
-            "python": platform.python_version(),
+    (a benchmark may have changed that), and the CPU's model and flags."""
+    return {"cpu_count": len(os.sched_getaffinity(0)), "cpu": cpu(), "platform": platform.platform(),
+            "torch": torch.__version__, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from service.api.context import cancel_on_disconnect, runtime
 from service.api.errors import ServingError
+from service.api.openapi import REQUESTS, STREAMED, request_body
 from service.engine.base import ProcessEngine
 
 # Routes the engine serves; those marked True generate tokens (metrics, queue bound).
@@ -89,14 +91,15 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 def attach_proxy(router: APIRouter) -> None:
+    """The engine's routes; chat and completions documented with the bodies and answers of the
+    contract (the engine takes more: its own features pass through)."""
     for path in PROXIED:
+        documented = {"openapi_extra": request_body(path), "responses": STREAMED[path]} if path in REQUESTS else {}
         router.add_api_route(path, forward, methods=["POST"], include_in_schema=True,
-                             summary=f"{path}, served by the engine process")
+                             summary=f"{path}, served by the engine process", **documented)
 
 
 async def forward(request: Request) -> Response:
-    from service.api.router import cancel_on_disconnect, runtime
-
     rt = runtime(request)
     engine: ProcessEngine = rt.engine  # type: ignore[assignment]
     path = request.url.path
@@ -140,6 +143,8 @@ async def forward(request: Request) -> Response:
             observed.record(rt.metrics)
         elif generates and response.status >= 500:
             observed.record(rt.metrics, "error")
+        if response.status >= 400:
+            content, media = openai_error(response.status, content), "application/json"
         return Response(content, status_code=response.status, media_type=media)
     return StreamingResponse(_relay(rt, response, observed, wants_usage or not generates),
                              status_code=response.status, media_type="text/event-stream",
@@ -202,6 +207,18 @@ def _event(raw: bytes, observed: Observed, keep_usage_chunk: bool) -> bytes:
             if not keep_usage_chunk and event.get("usage") and not event.get("choices"):
                 return b""
     return raw + b"\n\n"
+
+
+def openai_error(status: int, content: bytes) -> bytes:
+    """The engine's error body in the OpenAI shape the contract promises: passed on as it is when
+    it has that shape already; else (FastAPI's `{"detail": ...}` for a route the model does not
+    serve, plain text) its message wrapped."""
+    body = _json(content)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return content
+    detail = body.get("detail") if isinstance(body, dict) else None
+    message = detail if isinstance(detail, str) else json.dumps(detail) if detail else content.decode(errors="replace")
+    return ServingError(status, message.strip()[:2000] or f"HTTP {status} from the engine").body().model_dump_json().encode()
 
 
 def _json(body: bytes):

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.admission import Admission, ShuttingDown
+from service.api.context import cancel_on_disconnect, runtime
+from service.api.openapi import ERRORS, STREAMED, openapi_document
+from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                  CompletionResponse, HealthResponse, ModelCard, ModelList)
 from service.api.serving import SSEStream
-from fastapi.openapi.utils import get_openapi
-from pydantic.json_schema import models_json_schema
-
-from service.api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                  CompletionRequest, CompletionResponse, ErrorResponse, HealthResponse, ModelCard,
-                                  ModelList)
 from service.runtime import Runtime
 
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
 
 
 async def refuse_while_draining(request: Request) -> None:
@@ -35,24 +26,6 @@ async def refuse_while_draining(request: Request) -> None:
 inference = APIRouter(responses=ERRORS)  # the in-process engine's routes
 models_router = APIRouter(dependencies=[Depends(refuse_while_draining)], responses=ERRORS)
 management = APIRouter()
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def cancel_on_disconnect(request: Request, work):
-    """Run `work`, cancelling it (and so aborting its generation) if the client goes away first."""
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        return Response(status_code=499)
-    finally:
-        watcher.cancel()
 
 
 async def respond(request: Request, work) -> Response:
@@ -88,43 +61,12 @@ async def _counted(admission: Admission, request: Request, stream: SSEStream):
         await stream.aclose()
 
 
-def _streamed(model: type, chunk: type) -> dict:
-    """The OpenAPI answer of a route that streams with `stream: true`: JSON, or Server-Sent Events.
-    For an event stream, OpenAPI 3.1's schema describes each event: its `data` is a chunk (or the
-    error shape, once a stream fails) as JSON text, or the final `[DONE]`."""
-    def ref(name: str) -> dict:
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    json_chunk = {"type": "string", "contentMediaType": "application/json",
-                  "contentSchema": {"anyOf": [ref(chunk.__name__), ref(ErrorResponse.__name__)]}}
-    event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_chunk]}, "event": {"type": "string"}}}
-    return {200: {"content": {"application/json": {"schema": ref(model.__name__)},
-                              "text/event-stream": {"schema": event}}}}
-
-
-STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse, ErrorResponse)
-
-
-def openapi_with_stream_chunks(app: FastAPI) -> dict:
-    """FastAPI's document, with the chunk models the event streams name among its components."""
-    if app.openapi_schema is None:
-        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, definitions = models_json_schema([(m, "serialization") for m in STREAM_CHUNKS],
-                                            ref_template="#/components/schemas/{model}")
-        schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        for name, schema in definitions.get("$defs", {}).items():
-            schemas.setdefault(name, schema)
-        app.openapi_schema = document
-    return app.openapi_schema
-
-
-@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streamed(ChatCompletionResponse, ChatCompletionChunk))
+@inference.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMED["/v1/chat/completions"])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.chat(body, request.state.request_id))
 
 
-@inference.post("/v1/completions", response_model=CompletionResponse, responses=_streamed(CompletionResponse, CompletionResponse))
+@inference.post("/v1/completions", response_model=CompletionResponse, responses=STREAMED["/v1/completions"])
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await respond(request, runtime(request).serving.completion(body, request.state.request_id))
 
@@ -178,7 +120,7 @@ async def metrics(request: Request) -> Response:
 
 def attach_routers(app: FastAPI, runtime_: Runtime) -> None:
     """Management routes always; inference routes served in-process, or proxied to an engine process."""
-    app.openapi = lambda: openapi_with_stream_chunks(app)
+    app.openapi = lambda: openapi_document(app)
     app.include_router(management)
     app.include_router(models_router)
     if runtime_.serving is not None:

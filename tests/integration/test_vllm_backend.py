@@ -26,6 +26,7 @@ from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
 from factory.verify.container import POD_LIKE, start_model
 from service.image_contract import PORT
 from tests.conftest import metric, scrape
+from tests.fuzzing import CANNOT_HOLD, fuzz
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -190,7 +191,13 @@ def test_a_disconnect_aborts_the_request_in_vllm(served):
     count of aborts). On a starved machine the client may read its first line only after the whole
     stream was sent (the runtime then counts a success); that attempt proves nothing and is made again.
     Eight sampled sequences of 500 tokens (the tiny model's context is 512) keep vLLM busy for about
-    two seconds here, where the client leaves after some 40 ms."""
+    two seconds here, where the client leaves after some 40 ms.
+
+    Each attempt waits a second after vLLM's last request: vLLM's CPU build holds back every event
+    of a request that arrives within ~100 ms of the previous one's end until it has finished
+    (OpenMP-bound on 2 cores; measured at vLLM's own port too: 3 of 8 back-to-back requests had
+    their first event after 1.13 s, 0 of 12 with a second's pause), and the client cannot leave a
+    stream it receives whole."""
     max_tokens, n = 500, 8
 
     def finished(samples: dict) -> float:
@@ -208,6 +215,7 @@ def test_a_disconnect_aborts_the_request_in_vllm(served):
     attempts = []
     for _ in range(5):
         before = idle()
+        time.sleep(1.0)
         assert any(name == "vllm:request_success_total" for name, _ in before), "vLLM's metrics are re-exported"
         start = time.perf_counter()
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as stream:
@@ -376,3 +384,16 @@ def test_a_model_vllm_cannot_run_fails_at_start_up(docker_client, vllm_image):
     finally:
         container.remove(force=True)
         shutil.rmtree(shared)
+
+
+def test_the_vllm_backed_runtime_survives_fuzzing(served):
+    """Schemathesis on the runtime in front of vLLM: no 5xx, answers as documented. vLLM's own
+    validation answers what the contract leaves to it, and is lax where ours is strict (it takes
+    "2" for an integer and its own extensions), so schema-invalid bodies may be served: that check
+    is left out here, and kept against the torch runtime (test_fuzz.py)."""
+    cases = fuzz(served.url, MODEL, examples=40, exclude=CANNOT_HOLD + ("negative_data_rejection",))
+    assert cases > 200
+    assert httpx.get(served.url + "/v1/health/ready").status_code == 200
+    assert metric(scrape(served.url), "request_success_total") > 0, "no generated request reached vLLM"
+    logs = served.logs(2000)
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 300:][:3000]

@@ -2,10 +2,11 @@
 
 import asyncio
 from pathlib import Path
+import json
 from types import SimpleNamespace
 
 from service.admission import Admission
-from service.api.proxy import Observed, _event, _relay
+from service.api.proxy import Observed, _event, _relay, openai_error
 from service.engine.base import EngineStats
 from service.engine.vllm_process import gauges_from_vllm, vllm_arguments
 from service.manifest import Profile, ProfileTags
@@ -182,3 +183,13 @@ def test_a_client_that_leaves_mid_stream_is_an_abort_and_a_responses_stream_coun
            b'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":2}}}',
            observed, keep_usage_chunk=False)
     assert observed.ended and observed.usage == {"prompt_tokens": 5, "completion_tokens": 2}
+
+
+def test_engine_errors_reach_the_client_in_the_openai_shape():
+    shaped = b'{"error": {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400}}'
+    assert openai_error(400, shaped) == shaped
+    for status, body, message in ((404, b'{"detail": "Not Found"}', "Not Found"), (500, b"Internal Server Error", None),
+                                  (422, b'{"detail": [{"loc": ["body", "n"]}]}', None)):
+        error = json.loads(openai_error(status, body))["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+        assert error["message"] == (message or error["message"]) and error["message"]
