@@ -6,7 +6,10 @@ values and pod-like containers from the same names, so a path or port is written
 
 from __future__ import annotations
 
-UID = 1000  # the non-root user (and group) every image runs as
+# The non-root user (and group) every image runs as: outside the range useradd gives host accounts
+# (UID_MIN 1000 to UID_MAX 60000 in login.defs), as distroless's `nonroot`, so a process that left
+# the container, or a hostPath mount, maps to no host user (checkov CKV_K8S_40 asks for >= 10000).
+UID = 65532
 PORT = 8000
 HOME = "/opt/nim"
 VENV = f"{HOME}/venv"

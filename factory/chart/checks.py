@@ -1,6 +1,6 @@
 """Chart checks: render a matrix of value sets with helm (through pyhelm3), validate every object
 against the Kubernetes API schemas, and apply policy (restricted Pod Security Standard, probes,
-resources, a pinned image).
+resources, a pinned image; then checkov's Kubernetes checks, factory/chart/policy.py).
 """
 
 from __future__ import annotations
@@ -41,14 +41,19 @@ def kubernetes_versions(count: int = 3) -> list[str]:
     return [minors[m] for m in sorted(minors, key=lambda v: tuple(map(int, v.split("."))))[-count:]]
 
 
-def render_objects(chart_dir: Path, values: dict[str, Any], release: str = "check") -> list[dict[str, Any]]:
+CHECK_NAMESPACE = "inferkiln-check"  # as `helm install -n`: the templates must place every object in it
+
+
+def render_objects(chart_dir: Path, values: dict[str, Any], release: str = "check",
+                   namespace: str = CHECK_NAMESPACE) -> list[dict[str, Any]]:
     """`helm template` through pyhelm3; the rendered objects."""
     from pyhelm3 import Client
 
     async def render() -> list[dict[str, Any]]:
         client = Client(executable=helm_binary())
         chart = await client.get_chart(chart_dir)
-        return [obj async for obj in _aiter(await client.template_resources(chart, release, values))]
+        return [obj async for obj in _aiter(await client.template_resources(chart, release, values,
+                                                                            namespace=namespace))]
 
     return asyncio.run(render())
 
@@ -164,11 +169,14 @@ class ChartChecks:
 
 
 def check_chart(chart_dir: Path, matrix: dict[str, dict[str, Any]] | None = None) -> ChartChecks:
-    """Every value set rendered, schema-validated and policy-checked; errors per value set."""
+    """Every value set rendered, schema-validated and policy-checked (ours, then checkov's); errors
+    per value set."""
+    from factory.chart.policy import checkov_failures
+
     versions = kubernetes_versions()
-    results = {}
-    for name, values in (matrix or MATRIX).items():
-        objects = render_objects(chart_dir, values)
-        results[name] = ValueSetResult(sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects),
-                                       schema_errors(objects, versions) + policy_errors(objects))
-    return ChartChecks(versions, results)
+    rendered = {name: render_objects(chart_dir, values) for name, values in (matrix or MATRIX).items()}
+    checkov = checkov_failures(rendered)
+    return ChartChecks(versions, {
+        name: ValueSetResult(sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects),
+                             schema_errors(objects, versions) + policy_errors(objects) + checkov.get(name, []))
+        for name, objects in rendered.items()})

@@ -44,7 +44,7 @@ def model_values(loaded: LoadedSpec, repository: str, tag: str) -> dict[str, Any
     spec = loaded.spec
     base = yaml.safe_load((base_chart_dir() / "values.yaml").read_text())
     requests = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
-    limits: dict[str, Any] = {"memory": spec.resources.memory}
+    limits: dict[str, Any] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}  # Guaranteed QoS
     values: dict[str, Any] = {"image": {"repository": repository, "tag": tag},
                               "model": {"name": spec.served_name},
                               "resources": {"requests": requests, "limits": limits}}

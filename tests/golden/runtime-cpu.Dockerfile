@@ -7,10 +7,10 @@ RUN python3 -m venv /opt/nim/venv \
       --find-links /tmp/wheels -r /tmp/requirements.lock
 
 FROM inferkiln/base:bookworm-py311-05b09c67
-RUN groupadd --gid 1000 nim \
- && useradd --uid 1000 --gid 1000 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
+RUN groupadd --gid 65532 nim \
+ && useradd --uid 65532 --gid 65532 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
  && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \
- && chown 1000:1000 /opt/nim/.cache
+ && chown 65532:65532 /opt/nim/.cache
 COPY --from=build /opt/nim/venv /opt/nim/venv
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
@@ -22,7 +22,7 @@ ENV NIM_MANIFEST_PATH="/opt/nim/etc/default/model_manifest.yaml"
 ENV NIM_SERVER_PORT="8000"
 ENV PYTHONUNBUFFERED="1"
 ENV HF_HUB_OFFLINE="0"
-USER 1000:1000
+USER 65532:65532
 WORKDIR /opt/nim
 EXPOSE 8000
 ENTRYPOINT ["nim-serve"]

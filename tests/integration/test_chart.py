@@ -106,6 +106,59 @@ def test_policy_checks_fail_on_unsafe_overrides(chart_dir, override, problem):
     assert any(problem in e for e in errors), errors
 
 
+@pytest.mark.parametrize("override,check", [
+    ({"podSecurityContext": {"runAsUser": 1000}}, "CKV_K8S_40"),  # a UID a host account may have
+    ({"resources": {"limits": {"cpu": None}}}, "CKV_K8S_11"),
+    ({"containerSecurityContext": {"readOnlyRootFilesystem": False}}, "CKV_K8S_22"),
+])
+def test_checkov_fails_a_chart_on_any_check_not_accepted(chart_dir, override, check):
+    report = check_chart(chart_dir, {"unsafe": override})
+    assert not report.passed
+    assert any(f"checkov {check}" in e for e in report.errors()), report.errors()
+
+
+def test_every_object_is_placed_in_the_release_namespace(chart_dir):
+    for name, values in MATRIX.items():
+        for obj in render_objects(chart_dir, values, namespace="models"):
+            assert obj["metadata"].get("namespace") == "models", (name, obj["kind"])
+
+
+def test_network_policy_admits_only_the_peers_it_names(chart_dir, tmp_path):
+    def policy(values: dict) -> dict:
+        objects = render_objects(chart_dir, {"networkPolicy": {"enabled": True, **values}})
+        return next(o for o in objects if o["kind"] == "NetworkPolicy")["spec"]
+
+    assert policy({})["ingress"] == [], "no peer named: nothing admitted, not every pod in the namespace"
+    peers = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    assert policy({"ingressFrom": peers})["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}], "from": peers}]
+    values = tmp_path / "np.yaml"
+    values.write_text(yaml.safe_dump({"networkPolicy": {"enabled": True}}))
+    notes = helm("install", "x", str(chart_dir), "-f", str(values), "--dry-run=client", "--namespace", "models")
+    assert "no pod may reach the API" in notes
+
+
+def test_an_image_digest_pins_the_image(chart_dir, tmp_path):
+    digest = "sha256:" + "ab" * 32
+    objects = render_objects(chart_dir, {"image": {"digest": digest}})
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == f"registry.local/inferkiln/tiny-llama@{digest}"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"image": {"digest": "latest"}}))
+    with pytest.raises(ChartError, match="/image/digest"):
+        helm("template", "x", str(chart_dir), "-f", str(bad))
+
+
+def test_the_test_stage_runs_the_charts_pod(chart_dir):
+    """What `test` starts the container with comes from the chart (the very options a pod gets)."""
+    from factory.chart.run import pod_options
+    from service import image_contract
+
+    options = pod_options(chart_dir, "inferkiln/tiny-llama:0.1.0-local", release="t")
+    assert options["user"] == f"{image_contract.UID}:{image_contract.UID}" and options["read_only"]
+    assert options["cap_drop"] == ["ALL"] and options["environment"]["NIM_SERVED_MODEL_NAME"] == "tiny-llama"
+    assert {image_contract.CACHE_PATH, "/tmp"} <= set(options["tmpfs"])
+
+
 def test_deploy_without_a_cluster_fails_clearly(spec, tmp_path):
     port = free_port()
     kubeconfig = tmp_path / "kubeconfig"

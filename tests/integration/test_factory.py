@@ -30,6 +30,7 @@ from factory.stack import REGISTRY, stack_up
 from factory.verify.container import start_model
 from factory.verify.result import Gate, TestReport
 from factory.tinymodel import memorised_pairs
+from service import image_contract as contract
 from service.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -103,7 +104,7 @@ def test_image_has_labels_a_non_root_user_and_the_manifest(client, runner, built
     assert labels["org.opencontainers.image.title"] == "tiny-test"
     assert labels["io.inferkiln.spec-digest"] == runner.validate().spec.digest()
     assert len(labels["io.inferkiln.profile-ids"].split(",")) == 2
-    assert image.attrs["Config"]["User"] == "1000:1000"
+    assert image.attrs["Config"]["User"] == f"{contract.UID}:{contract.UID}"
     assert "8000/tcp" in image.attrs["Config"]["ExposedPorts"]
     env = dict(item.split("=", 1) for item in image.attrs["Config"]["Env"])
     assert env["NIM_MANIFEST_PATH"] == "/opt/nim/etc/default/model_manifest.yaml"
@@ -240,7 +241,7 @@ def test_publish_pushes_image_sbom_and_the_validated_chart(client, runner, built
     config_digest = manifest.json()["config"]["digest"]
     config = httpx.get(f"http://{REGISTRY}/v2/{repository}/blobs/{config_digest}").json()
     assert config["config"]["Labels"]["org.opencontainers.image.title"] == "tiny-test"
-    assert config["config"]["User"] == "1000:1000"
+    assert config["config"]["User"] == f"{contract.UID}:{contract.UID}"
     # the chart in the registry is the very package the chart stage validated
     chart_manifest = httpx.get(f"http://{REGISTRY}/v2/charts/tiny-test/manifests/0.1.0",
                                headers={"Accept": MANIFEST_TYPES}).json()

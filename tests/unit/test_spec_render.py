@@ -15,6 +15,7 @@ from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.pipeline.files import PipelineError, load_pipeline
 from factory.pipeline.runner import Runner
 from factory.spec import SpecError, load_spec
+from service import image_contract as contract
 
 SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama.yaml"
 
@@ -90,7 +91,7 @@ def test_render_writes_the_contexts_build_builds(tiny_model_dir, tmp_path):
     contexts, chart = Runner(write_spec(tmp_path, tiny_model_dir)).render(tmp_path / "out")
     runtime = (contexts.runtime_dir / "Dockerfile").read_text()
     assert f"FROM {DEBIAN_BASE_IMAGE} AS build" in runtime
-    assert "USER 1000:1000" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
+    assert f"USER {contract.UID}:{contract.UID}" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
     assert "--no-index" in runtime and "--require-hashes" in runtime, "the lock, from the wheelhouse, no network"
     lock = (contexts.runtime_dir / "requirements.lock").read_text()
     assert "torch==2.13.0+cpu" in lock and "--hash=sha256:" in lock
@@ -127,8 +128,9 @@ def test_chart_values_follow_the_spec(tiny_model_dir, tmp_path):
                                                                  "chart.values": {"replicaCount": 3}}))
     values = model_values(loaded, "registry/inferkiln/tiny-llama", "0.1.0-abc")
     assert values["image"] == {"repository": "registry/inferkiln/tiny-llama", "tag": "0.1.0-abc",
-                               "pullPolicy": "IfNotPresent"}
+                               "pullPolicy": "IfNotPresent", "digest": ""}
     assert values["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert values["resources"]["limits"]["cpu"] == values["resources"]["requests"]["cpu"] == "2"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in values["tolerations"]
     assert values["replicaCount"] == 3 and values["model"]["name"] == "tiny-llama"
 

@@ -47,3 +47,16 @@ Usage: {{ include "nim-llm.serviceAccountName" . }}
 {{- default "default" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/*
+The container image: repository@digest when image.digest is set (pinned to its content), else
+repository:tag.
+Usage: {{ include "nim-llm.image" . }}
+*/}}
+{{- define "nim-llm.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ required "image.tag or image.digest is required" .Values.image.tag }}
+{{- end -}}
+{{- end }}

@@ -13,7 +13,7 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 containers:
   - name: nim-llm
-    image: "{{ .Values.image.repository }}:{{ required "image.tag is required" .Values.image.tag }}"
+    image: {{ include "nim-llm.image" . | quote }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
     securityContext:
       {{- toYaml .Values.containerSecurityContext | nindent 6 }}
