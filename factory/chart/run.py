@@ -70,6 +70,14 @@ def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
     return options
 
 
+def pod_options(package: Path, image_reference: str, release: str) -> dict[str, Any]:
+    """The `docker run` options of the pod a chart package renders with its own values, running
+    `image_reference` (the chart names the registry's copy of the image, a test runs the local one)."""
+    repository, tag = image_reference.rsplit(":", 1)
+    obj = workload(render_objects(package, {"image": {"repository": repository, "tag": tag}}, release))
+    return docker_options(pod_specs(obj)[0], release)
+
+
 def probe_url(container: dict[str, Any], probe: dict[str, Any], address: str) -> str:
     get = probe.get("httpGet")
     if not get:

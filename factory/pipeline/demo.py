@@ -78,7 +78,7 @@ def _serve(reference: str) -> str:
 def _write_report(runner: Runner, report_dir: Path, timings: dict[str, float], failure: StageFailed | None) -> None:
     """report.json and report.md from the typed results the stages left (a failed run has fewer)."""
     results = runner.results
-    images, chart, tests, release = (results.get(k) for k in ("images", "chart", "tests", "release"))
+    images, chart, tests, release = results.images, results.chart, results.tests, results.release
     summary = {
         "runtime_image": images.runtime.reference if images else None,
         "model_image": images.model.reference if images else None,

@@ -14,10 +14,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from factory.errors import FactoryError
 from factory.spec import LoadedSpec, SpecError
+
+if TYPE_CHECKING:  # the stages' modules load only when their stage runs
+    from factory.chart.package import ChartPackage
+    from factory.image.build import BuiltImages
+    from factory.image.context import ImagePlan
+    from factory.release.catalog import Release
+    from factory.verify.result import TestReport
 
 Stage = Literal["validate", "build", "chart", "test", "publish"]
 STAGES: tuple[Stage, ...] = ("validate", "build", "chart", "test", "publish")
@@ -53,6 +60,19 @@ class RunSettings:
     force: bool = False  # publish although the tests failed (recorded)
 
 
+@dataclass
+class StageResults:
+    """What each finished stage handed on (None until it has run): the typed hand-offs."""
+
+    spec: LoadedSpec | None = None
+    plan: ImagePlan | None = None
+    docker: Any = None  # the Docker Engine client
+    images: BuiltImages | None = None
+    chart: ChartPackage | None = None
+    tests: TestReport | None = None
+    release: Release | None = None
+
+
 @dataclass(frozen=True)
 class StageOutcome:
     stage: str
@@ -65,13 +85,14 @@ class Runner:
     spec_path: Path
     settings: RunSettings = field(default_factory=RunSettings)
     progress: Progress = lambda _: None
-    results: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # each finished stage's result
+    results: StageResults = field(default_factory=StageResults, init=False, repr=False)
 
     def _once(self, key: str, stage: str, work: Callable[[], Any]) -> Any:
-        if key not in self.results:
+        """The result `key` of `stage`, from `work` the first time it is asked for."""
+        if getattr(self.results, key) is None:
             with stage_errors(stage):
-                self.results[key] = work()
-        return self.results[key]
+                setattr(self.results, key, work())
+        return getattr(self.results, key)
 
     def _docker(self):
         from factory.stack import docker_client
@@ -135,15 +156,19 @@ class Runner:
             return run_chart(self._docker(), package.path, values)
 
     def test_report(self):
-        """The harness against the running image, pass or fail (recorded for publish's gate)."""
+        """The harness against the running image, pass or fail (recorded for publish's gate). The
+        container runs as the pod of the validated chart package would (its env, user, filesystem,
+        capabilities), with the local image."""
+        from factory.chart.run import pod_options
         from factory.verify.stage import record_tests, test_image
 
-        loaded, images = self.validate(), self.build()
+        loaded, images, chart = self.validate(), self.build(), self.chart()
         name = loaded.spec.metadata.name
         report_dir = self.settings.report_dir or Path("results") / f"test-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
         def work():
-            report = test_image(self._docker(), loaded, images.model.reference, report_dir, self.progress)
+            pod = pod_options(chart.path, images.model.reference, release=name)
+            report = test_image(self._docker(), loaded, images.model.reference, report_dir, self.progress, pod)
             record_tests(images.model.image_id, report)
             return report
 
@@ -163,7 +188,7 @@ class Runner:
         if not self.settings.registry:
             raise StageFailed("publish", "no registry to publish to (give --registry HOST[:PORT])", 2)
         loaded, plan, images, chart = self.validate(), self.plan(), self.build(), self.chart()
-        tests = self.results.get("tests") or recorded_tests(images.model.image_id) or self.test_report()
+        tests = self.results.tests or recorded_tests(images.model.image_id) or self.test_report()
         return self._once("release", "publish", lambda: publish(
             self._docker(), loaded, plan.flavor, images, chart, tests, self.settings.registry, self.progress,
             force=self.settings.force))

@@ -8,8 +8,10 @@ from factory.errors import CheckFailed
 from service.image_contract import CACHE_PATH, PORT, UID
 from service.launcher import wait_until_ready
 
-# What the chart gives the pod: non-root, a read-only root filesystem, writable cache and /tmp
+# What the base chart gives the pod, for an image run without a chart of its own (`test --url`'s
+# reference, the benchmarks): non-root, a read-only root filesystem, writable cache and /tmp
 # (emptyDirs, which allow exec, unlike Docker's tmpfs default: torch.compile loads kernels from /tmp).
+# The test stage runs the pod options of the very chart it validated (factory.chart.run.pod_options).
 POD_LIKE = {"user": f"{UID}:{UID}", "read_only": True,
             "tmpfs": {"/tmp": "size=512m,exec", CACHE_PATH: f"size=1g,exec,uid={UID},gid={UID}",
                       "/dev/shm": "size=256m"},
@@ -50,10 +52,14 @@ class RunningModel:
 
 
 def start_model(client, reference: str, env: dict[str, str] | None = None, timeout: float = 180,
-                volumes: dict | None = None) -> RunningModel:
-    """Start `reference` with the pod's settings on a free loopback port and wait for readiness."""
-    container = client.containers.run(reference, detach=True, environment={"NIM_LOG_LEVEL": "INFO", **(env or {})},
-                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, volumes=volumes or {}, **POD_LIKE)
+                volumes: dict | None = None, pod: dict | None = None) -> RunningModel:
+    """Start `reference` with the pod's settings (`pod`: `docker run` options, POD_LIKE by default)
+    on a free loopback port and wait for readiness; `env` and `volumes` add to the pod's."""
+    options = dict(pod or POD_LIKE)
+    environment = {"NIM_LOG_LEVEL": "INFO", **options.pop("environment", {}), **(env or {})}
+    mounts = {**options.pop("volumes", {}), **(volumes or {})}
+    container = client.containers.run(reference, detach=True, environment=environment,
+                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, volumes=mounts, **options)
     container.reload()
     host_port = container.attrs["NetworkSettings"]["Ports"][f"{PORT}/tcp"][0]["HostPort"]
     running = RunningModel(container, f"http://127.0.0.1:{host_port}")

@@ -19,8 +19,9 @@ from factory.verify.result import Gate, TestReport
 Progress = Callable[[str], None]
 
 
-def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress) -> TestReport:
-    """Start the image like the pod and run the whole harness against it."""
+def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress,
+               pod: dict | None = None) -> TestReport:
+    """Start the image as the pod (`pod`: the chart's `docker run` options) and run the whole harness."""
     dataset = loaded.spec.tests.accuracy.dataset
     pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
     config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent)
@@ -28,7 +29,7 @@ def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Pat
     progress(f"starting {image_reference}...")
     start = time.perf_counter()
     try:
-        running = start_model(client, image_reference)
+        running = start_model(client, image_reference, pod=pod)
     except ContainerError as exc:
         report = TestReport.from_gates([Gate(id="container.ready", passed=False, detail=str(exc)[-2000:])],
                                        report_dir, image=image_reference)
