@@ -14,6 +14,8 @@ import httpx
 import yaml
 from openai import OpenAI
 
+from factory.verify.result import Gate
+
 PROMPT = "The capital of France is"
 
 
@@ -207,16 +209,16 @@ def _manifest(ctx: Context) -> None:
     assert manifest.get("profiles"), "the manifest lists no profiles"
 
 
-def run_conformance(url: str, model: str, groups: tuple[str, ...] = ("openai", "nim")) -> list[dict]:
+def run_conformance(url: str, model: str, groups: tuple[str, ...] = ("openai", "nim")) -> list[Gate]:
     ctx = Context(url, model)
-    results = []
+    gates = []
     for item in CHECKS:
         if item.group not in groups:
             continue
         try:
             item.run(ctx)
-            results.append({"id": item.id, "group": item.group, "passed": True, "message": ""})
+            gates.append(Gate(id=item.id, passed=True, detail=""))
         except Exception as exc:  # any failure of the server under test is a failed check, never a crash
             message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
-            results.append({"id": item.id, "group": item.group, "passed": False, "message": message[:500]})
-    return results
+            gates.append(Gate(id=item.id, passed=False, detail=message[:500]))
+    return gates

@@ -15,7 +15,7 @@ from factory.verify.conformance import run_conformance
 from factory.verify.lm_eval_tasks import run_tasks
 from factory.verify.load import LoadSettings, run_load, summarize
 from factory.verify.metrics_check import check_metrics
-from factory.verify.report import gate_rows, write_report
+from factory.verify.report import write_report
 from factory.verify.result import Gate, TestReport
 
 
@@ -87,11 +87,13 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
                 model_dir: Path | None, progress: Callable[[str], None]) -> TestReport:
     """Every check against `url`; the report directory gets the full results, the caller a TestReport."""
     progress("conformance checks...")
-    result: dict = {"url": url, "model": model, "conformance": run_conformance(url, model, config.groups)}
+    gates = run_conformance(url, model, config.groups)
+    result: dict = {"url": url, "model": model}
     result["accuracy"] = accuracy = run_accuracy(url, model, config, pairs, model_dir, progress)
+    gates += accuracy_gates(accuracy)
     if "nim" in config.groups:
         progress("metrics checks...")
-        result["metrics"] = check_metrics(url, model)
+        gates += check_metrics(url, model)
     performance, runs = {}, {}
     for level in config.concurrency:
         progress(f"load at concurrency {level}...")
@@ -99,21 +101,44 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
                                 requests=config.requests_per_level, concurrency=level, rate=config.rate)
         level_records, wall = asyncio.run(run_load(url, settings))
         performance[level], runs[level] = summarize(level_records, wall, config.slo), (settings, level_records)
-    result["performance"] = performance
-    result["slo"], result["slo_targets"] = slo_gates(performance, config.slo), config.slo
+    result["performance"], result["slo_targets"] = performance, config.slo
+    gates += slo_gates(performance, config.slo)
     report = TestReport.from_gates(
-        [Gate(id=gate, passed=ok, detail=detail) for gate, ok, detail in gate_rows(result)], output, url=url,
+        gates, output, url=url,
         skipped=accuracy["skipped"], profile=served_profile(url),
         exact_match=accuracy["exact_match"]["score"] if "exact_match" in accuracy else None,
         accuracy={row["task"]: row["score"] for row in accuracy["tasks"] if "score" in row},
         output_tokens_per_s={str(level): round(m["output_token_throughput"]["avg"], 1)
                              for level, m in performance.items()})
     result.update(passed=report.passed, summary=report.summary, skipped=report.skipped)
-    write_report(result, runs, output)
+    write_report(result, gates, runs, output)
     return report
 
 
-def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> list[dict]:
+def accuracy_gates(accuracy: dict) -> list[Gate]:
+    """The gates of run_accuracy's measurements: exact match, each lm-eval task, parity with
+    transformers and with another server."""
+    gates = []
+    if "exact_match" in accuracy:
+        score, threshold = accuracy["exact_match"]["score"], accuracy["threshold"]
+        gates.append(Gate(id="accuracy.exact_match", passed=score >= threshold,
+                          detail=f"{score:.3f} (threshold {threshold})"))
+    for task in accuracy.get("tasks", []):
+        gates.append(Gate(id=f"accuracy.task.{task['task']}", passed=task.get("passed", False), detail=task.get(
+            "error") or f"{task['metric']} {task['score']:.3f} (min {task['min']}, {task['samples']} samples)"))
+    if parity := accuracy.get("parity"):
+        first = f"; {parity['mismatches'][0]}" if parity["mismatches"] else ""
+        gates.append(Gate(id="accuracy.parity", passed=parity["passed"], detail=(
+            f"max logprob diff {parity['max_logprob_diff']:.2e} (tolerance {parity['tolerance']}){first}")))
+    if same := accuracy.get("engine_parity"):
+        first = f"; {same['mismatches'][0]}" if same["mismatches"] else ""
+        identical = same["prompts"] - len(same["mismatches"])
+        gates.append(Gate(id="accuracy.engine_parity", passed=same["passed"], detail=(
+            f"{identical}/{same['prompts']} greedy outputs identical to {same['reference']}{first}")))
+    return gates
+
+
+def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> list[Gate]:
     gates = []
     for name, metric in (("ttft_p99_ms", "time_to_first_token"), ("itl_p99_ms", "inter_token_latency")):
         limit = slo.get(name)
@@ -122,9 +147,9 @@ def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> lis
         for level, summary in performance.items():
             value = summary[metric]["p99"]
             ok = value is not None and value <= limit
-            gates.append({"id": f"slo.{name}@{level}", "passed": ok,
-                          "message": f"{value if value is None else round(value, 1)} ms (limit {limit} ms)"})
+            gates.append(Gate(id=f"slo.{name}@{level}", passed=ok,
+                              detail=f"{value if value is None else round(value, 1)} ms (limit {limit} ms)"))
     for level, summary in performance.items():
         errors = summary["error_request_count"]["avg"]
-        gates.append({"id": f"perf.errors@{level}", "passed": errors == 0, "message": f"{errors} failed requests"})
+        gates.append(Gate(id=f"perf.errors@{level}", passed=errors == 0, detail=f"{errors} failed requests"))
     return gates

@@ -8,6 +8,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from factory.verify.load import LoadSettings, run_load
+from factory.verify.result import Gate
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -21,7 +22,7 @@ def scrape(url: str) -> dict[str, float]:
     return totals
 
 
-def check_metrics(url: str, model: str, requests: int = 8) -> dict:
+def check_metrics(url: str, model: str, requests: int = 8) -> list[Gate]:
     """Send `requests` streamed requests alone and compare counter deltas with the clients' usage."""
     before = scrape(url)
     settings = LoadSettings(model=model, requests=requests, concurrency=4, prompt_tokens=16, output_tokens=12, warmup=0)
@@ -41,9 +42,9 @@ def check_metrics(url: str, model: str, requests: int = 8) -> dict:
         "request_generation_tokens_sum": sum(r.output_tokens for r in ok),
         "request_generation_tokens_count": len(ok),
     }
-    checks = [{"id": f"metrics.{name}", "passed": delta(name) == value,
-               "message": "" if delta(name) == value else f"server counted {delta(name):g}, clients saw {value:g}"}
-              for name, value in expected.items()]
+    gates = [Gate(id=f"metrics.{name}", passed=delta(name) == value,
+                  detail="" if delta(name) == value else f"server counted {delta(name):g}, clients saw {value:g}")
+             for name, value in expected.items()]
     if len(ok) != requests:
-        checks.append({"id": "metrics.requests", "passed": False, "message": f"{requests - len(ok)} requests failed"})
-    return {"checks": checks, "passed": all(c["passed"] for c in checks)}
+        gates.append(Gate(id="metrics.requests", passed=False, detail=f"{requests - len(ok)} requests failed"))
+    return gates

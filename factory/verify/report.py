@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from factory.verify.aiperf_export import write_level
+from factory.verify.result import Gate
 
 PARETO_PLOT = "pareto_throughput_vs_interactivity.png"
 PLOTS = {
@@ -120,32 +121,6 @@ def plot_goodput(levels: dict[int, dict], slo: dict[str, float | None], out: Pat
     return _save(fig, ax, out / "goodput_vs_slo.png")
 
 
-def gate_rows(result: dict) -> list[tuple[str, bool, str]]:
-    rows = [(c["id"], c["passed"], c["message"]) for c in result["conformance"]]
-    acc = result.get("accuracy", {})
-    if "exact_match" in acc:
-        em = acc["exact_match"]
-        rows.append(("accuracy.exact_match", em["score"] >= acc["threshold"],
-                     f"{em['score']:.3f} (threshold {acc['threshold']})"))
-    for task in acc.get("tasks", []):
-        rows.append((f"accuracy.task.{task['task']}", task.get("passed", False), task.get("error") or
-                     f"{task['metric']} {task['score']:.3f} (min {task['min']}, {task['samples']} samples)"))
-    if "parity" in acc:
-        p = acc["parity"]
-        rows.append(("accuracy.parity", p["passed"],
-                     f"max logprob diff {p['max_logprob_diff']:.2e} (tolerance {p['tolerance']})"
-                     + (f"; {p['mismatches'][0]}" if p["mismatches"] else "")))
-    if "engine_parity" in acc:
-        p = acc["engine_parity"]
-        rows.append(("accuracy.engine_parity", p["passed"],
-                     f"{p['prompts'] - len(p['mismatches'])}/{p['prompts']} greedy outputs identical to {p['reference']}"
-                     + (f"; {p['mismatches'][0]}" if p["mismatches"] else "")))
-    rows += [(c["id"], c["passed"], c["message"]) for c in result.get("metrics", {}).get("checks", [])]
-    for slo in result.get("slo", []):
-        rows.append((slo["id"], slo["passed"], slo["message"]))
-    return rows
-
-
 def sweep_table(levels: dict[int, dict]) -> str:
     lines = ["| concurrency | output tok/s | req/s | goodput | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -180,8 +155,9 @@ def sweep_summary(result: dict, run_dirs: dict[int, Path]) -> dict:
             "levels": [row(level, m) for level, m in sorted(result["performance"].items())]}
 
 
-def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
-    """`runs` maps each level to its LoadSettings and request records."""
+def write_report(result: dict, gates: list[Gate], runs: dict[int, tuple], out: Path) -> Path:
+    """`gates` in the order the harness ran them; `runs` maps each level to its LoadSettings and
+    request records; `result` holds the measurements behind them (summary.json)."""
     out.mkdir(parents=True, exist_ok=True)
     levels = {int(c): m for c, m in result["performance"].items()}
     run_dirs = {level: write_level(out, result["url"], settings, levels[level], records)
@@ -190,9 +166,8 @@ def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
     slo = result.get("slo_targets", {})
     plots = (plot(levels, out) + [plot_pareto(levels, out)] + plot_distributions(runs, slo, out)
              + [plot_goodput(levels, slo, out)]) if levels else []
-    rows = gate_rows(result)
     verdict = "PASSED" if result["passed"] else "FAILED"
-    table = "\n".join(f"| {gate} | {'pass' if ok else 'FAIL'} | {msg[:160].replace('|', '/')} |" for gate, ok, msg in rows)
+    table = "\n".join(f"| {g.id} | {'pass' if g.passed else 'FAIL'} | {g.detail[:160].replace('|', '/')} |" for g in gates)
     skipped = result.get("skipped", {})
     markdown = (f"# Test report: {result['model']} at {result['url']} — {verdict}\n\n"
                 f"| gate | result | detail |\n|---|---|---|\n{table}\n"
@@ -200,11 +175,11 @@ def write_report(result: dict, runs: dict[int, tuple], out: Path) -> Path:
                 + f"\n## Performance\n\n{sweep_table(levels)}\n\n"
                 + "".join(f"![{p}]({p})\n" for p in plots))
     (out / "summary.md").write_text(markdown)
-    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.json").write_text(json.dumps({**result, "gates": [g.model_dump() for g in gates]}, indent=2))
     images = "".join(f'<img alt="{p}" src="data:image/png;base64,{base64.b64encode((out / p).read_bytes()).decode()}">'
                      for p in plots)
-    gate_html = "".join(f"<tr class={'ok' if ok else 'bad'}><td>{html.escape(g)}</td><td>{'pass' if ok else 'FAIL'}</td>"
-                        f"<td>{html.escape(m[:300])}</td></tr>" for g, ok, m in rows)
+    gate_html = "".join(f"<tr class={'ok' if g.passed else 'bad'}><td>{html.escape(g.id)}</td>"
+                        f"<td>{'pass' if g.passed else 'FAIL'}</td><td>{html.escape(g.detail[:300])}</td></tr>" for g in gates)
     gate_html += "".join(f"<tr><td>{html.escape(check)}</td><td>skipped</td><td>{html.escape(reason)}</td></tr>"
                          for check, reason in skipped.items())
     (out / "index.html").write_text(

@@ -1,6 +1,7 @@
 """The perf gates: each SLO limit is checked at every load level, and failed requests always fail."""
 
 from factory.verify.harness import slo_gates
+from factory.verify.result import Gate
 
 
 def level(ttft_p99: float | None, itl_p99: float | None = 5.0, errors: int = 0) -> dict:
@@ -8,8 +9,8 @@ def level(ttft_p99: float | None, itl_p99: float | None = 5.0, errors: int = 0) 
             "error_request_count": {"avg": errors}}
 
 
-def by_id(gates: list[dict]) -> dict[str, bool]:
-    return {gate["id"]: gate["passed"] for gate in gates}
+def by_id(gates: list[Gate]) -> dict[str, bool]:
+    return {gate.id: gate.passed for gate in gates}
 
 
 def test_each_limit_is_checked_at_every_level():
