@@ -13,6 +13,7 @@ from typing import Any
 
 from factory.chart.package import ChartPackage
 from factory.errors import CheckFailed
+from factory.release.catalog import Release
 from factory.stack import helm_binary
 
 
@@ -49,12 +50,24 @@ def wait_for_rollout(api, name: str, namespace: str, timeout: float) -> None:
     raise DeployError(f"deployment {namespace}/{name} did not roll out within {timeout:.0f}s")
 
 
+def pinned_image(chart: ChartPackage, releases: list[Release]) -> dict[str, Any]:
+    """Values pinning the image by the digest the registry gave it, where a published release was
+    made from this very chart package (the chart is validated before the image is pushed, so only
+    the release knows the digest); none otherwise."""
+    published = [r for r in releases if r.chart.digest == chart.digest]
+    return {"image": {"digest": published[-1].image.digest}} if published else {}
+
+
 def deploy(chart: ChartPackage, name: str, kubeconfig: Path, namespace: str,
            values: dict[str, Any] | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """Install or upgrade the release from the chart package the chart stage validated."""
+    """Install or upgrade the release from the chart package the chart stage validated, its image
+    pinned by digest where the catalog records the release."""
     from pyhelm3 import Client
 
+    from factory.release.catalog import releases
+
     api = api_client(kubeconfig)
+    values = {**pinned_image(chart, releases()), **(values or {})}
 
     async def install():
         helm = Client(executable=helm_binary(), kubeconfig=kubeconfig)
