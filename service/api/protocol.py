@@ -35,10 +35,15 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def Int(**bounds: int) -> Any:
-    """An integer field with its bounds, strict, but 2.0 is an integer (JSON Schema's "integer").
-    The bounds sit inside the type so that the schema states them as minimum/maximum."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+# Integers: strict, but 2.0 is one (JSON Schema's "integer"). Bounds sit inside the type, before the
+# validator, so that the schema states them as minimum/maximum (on an optional field, a Field's
+# bounds would come out as a bare "ge").
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
+LogprobCount = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
+ChoiceCount = Annotated[int, Field(ge=1, le=128), BeforeValidator(_integral)]
 
 
 class ResponseBase(BaseModel):
@@ -77,17 +82,17 @@ class SamplingFields(OpenAIBase):
 
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: Int(ge=1, le=128) = 1
+    n: ChoiceCount = 1
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: Int() | None = None
+    seed: Int | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: str | None = None
-    top_k: Int(ge=-1) | None = Field(None, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
-    stop_token_ids: list[Int(ge=0)] | None = Field(
+    top_k: TopK | None = Field(None, description="Extension: sample from the k likeliest tokens (-1 or 0 = all).")
+    stop_token_ids: list[TokenId] | None = Field(
         None, description="Extension: token ids that end a choice.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
 
@@ -113,9 +118,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     logprobs: bool = False
-    top_logprobs: Int(ge=0, le=20) | None = None
-    max_tokens: Int(ge=1) | None = None
-    max_completion_tokens: Int(ge=1) | None = None
+    top_logprobs: LogprobCount | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -183,11 +188,11 @@ class ChatCompletionChunk(ResponseBase):
 # -- completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: Text | list[Text] | list[Int()] | list[list[Int()]]
-    best_of: Int(ge=1) | None = None
+    prompt: Text | list[Text] | list[Int] | list[list[Int]]
+    best_of: PositiveInt | None = None
     echo: bool = False
-    logprobs: Int(ge=0, le=20) | None = None
-    max_tokens: Int(ge=1) | None = 16
+    logprobs: LogprobCount | None = None
+    max_tokens: PositiveInt | None = 16
     suffix: str | None = None
 
 
