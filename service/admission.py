@@ -44,11 +44,15 @@ class Admission:
                 f"{prompts} prompt(s) x n={n} make {prompts * n} sequences; one request may make at most "
                 f"{self.max_seqs_per_request} (NIM_MAX_SEQS_PER_REQUEST)", "prompt" if prompts > 1 else "n")
 
+    def check_open(self) -> None:
+        """503 once the server drains after SIGTERM."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+
     def enter(self, bounded: bool = True) -> None:
         """Count a request in flight, or refuse it (503). `bounded=False`: a request that generates
         nothing (an engine's /tokenize) is counted for drain but never refused for a full queue."""
-        if self.draining:
-            raise ShuttingDown("the server is shutting down")
+        self.check_open()
         if bounded and self.in_flight >= self.max_in_flight:
             raise QueueFullError(f"{self.in_flight} requests in flight already (NIM_MAX_NUM_SEQS={self.max_num_seqs} "
                                  f"running + NIM_MAX_QUEUE={self.max_queue} waiting)")

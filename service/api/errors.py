@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api.protocol import ErrorInfo, ErrorResponse
 from service.admission import QueueFullError, ShuttingDown
+from service.api.protocol import ErrorInfo, ErrorResponse
 from service.engine.base import EngineError, RequestTooLargeError, SamplingError
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from service.admission import Admission, ShuttingDown
+from service.admission import Admission
 from service.api.context import cancel_on_disconnect, runtime
 from service.api.openapi import ERRORS, STREAMED, openapi_document
 from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -18,8 +18,7 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 async def refuse_while_draining(request: Request) -> None:
     """Async because it never blocks: FastAPI runs a plain `def` dependency in its thread pool."""
-    if runtime(request).admission.draining:
-        raise ShuttingDown("the server is shutting down")
+    runtime(request).admission.check_open()
 
 
 # NIM_API_KEY is checked before any of these routes reads its body (ApiKeyMiddleware).
