@@ -70,11 +70,17 @@ def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
     return options
 
 
+def image_values(image_reference: str) -> dict[str, Any]:
+    """Values that run `image_reference` in a chart's pod: the validated chart names the registry's
+    copy of the image, a test or `chart run` runs the local one."""
+    repository, tag = image_reference.rsplit(":", 1)
+    return {"image": {"repository": repository, "tag": tag}}
+
+
 def pod_options(package: Path, image_reference: str, release: str) -> dict[str, Any]:
     """The `docker run` options of the pod a chart package renders with its own values, running
-    `image_reference` (the chart names the registry's copy of the image, a test runs the local one)."""
-    repository, tag = image_reference.rsplit(":", 1)
-    obj = workload(render_objects(package, {"image": {"repository": repository, "tag": tag}}, release))
+    `image_reference`."""
+    obj = workload(render_objects(package, image_values(image_reference), release))
     return docker_options(pod_specs(obj)[0], release)
 
 

@@ -144,16 +144,14 @@ class Runner:
         return self._once("chart", "chart", lambda: package_chart(loaded, reference, self.settings.chart_dir))
 
     def chart_run(self, values: dict[str, Any]) -> dict[str, Any]:
-        """The pod spec of a chart naming the local image, run in Docker with its probes asked."""
-        import tempfile
+        """The pod spec of the validated chart package, run in Docker with the local image and its
+        probes asked; `values` override the chart's."""
+        from factory.chart.render import deep_merge
+        from factory.chart.run import image_values, run_chart
 
-        from factory.chart.package import package_chart
-        from factory.chart.run import run_chart
-
-        loaded, images = self.validate(), self.build()
-        with stage_errors("chart run"), tempfile.TemporaryDirectory() as tmp:
-            package = package_chart(loaded, images.model.reference, Path(tmp))
-            return run_chart(self._docker(), package.path, values)
+        images, chart = self.build(), self.chart()
+        with stage_errors("chart run"):
+            return run_chart(self._docker(), chart.path, deep_merge(image_values(images.model.reference), values))
 
     def test_report(self):
         """The harness against the running image, pass or fail (recorded for publish's gate). The
