@@ -24,6 +24,7 @@ import httpx
 
 from benchmarks.common import percentile, write_result
 from factory.tinymodel import ensure_tiny_model
+from factory.verify.metrics_check import scrape
 from service.launcher import ServerProcess
 
 WORDS = "the owl sat on a branch and watched the river run past the old mill in the evening light".split()
@@ -36,16 +37,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def gauges(url: str) -> dict[str, float]:
-    """The runtime's unlabelled-by-reason gauges from /v1/metrics, by name."""
-    values = {}
-    for line in httpx.get(f"{url}/v1/metrics").text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in ("num_requests_running", "num_requests_waiting", "gpu_cache_usage_perc"):
-            values[name] = float(line.rsplit(" ", 1)[1])
-    return values
 
 
 def make_request(rng: random.Random, model: str) -> tuple[str, dict, bool]:
@@ -123,7 +114,7 @@ async def soak(url: str, pid: int, model: str, concurrency: int, seconds: float,
 def idle_gauges(url: str, timeout: float = 30) -> dict[str, float]:
     """The gauges once nothing runs or waits (aborts free their blocks at the next step)."""
     deadline = time.monotonic() + timeout
-    while (values := gauges(url))["num_requests_running"] or values["num_requests_waiting"]:
+    while (values := scrape(url))["num_requests_running"] or values["num_requests_waiting"]:
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
