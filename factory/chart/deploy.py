@@ -13,7 +13,7 @@ from typing import Any
 
 from factory.chart.package import ChartPackage
 from factory.errors import CheckFailed
-from factory.release.catalog import Release
+from factory.release.catalog import Release, releases
 from factory.stack import helm_binary
 
 
@@ -63,8 +63,6 @@ def deploy(chart: ChartPackage, name: str, kubeconfig: Path, namespace: str,
     """Install or upgrade the release from the chart package the chart stage validated, its image
     pinned by digest where the catalog records the release."""
     from pyhelm3 import Client
-
-    from factory.release.catalog import releases
 
     api = api_client(kubeconfig)
     values = {**pinned_image(chart, releases()), **(values or {})}

@@ -313,9 +313,10 @@ class TorchEngine(Engine):
         try:
             done, failed = list(zip(group, run(group))), []
         except Exception as exc:
-            done, failed = [], [(group[0], exc)]
-            if len(group) > 1:
-                done, failed = [], []
+            done, failed = [], []
+            if len(group) == 1:
+                failed.append((group[0], exc))
+            else:  # which of them fails alone?
                 for chunk in group:
                     try:
                         done.append((chunk, run([chunk])[0]))

@@ -71,7 +71,11 @@ def test_an_engine_fault_turns_ready_and_live_503_and_asks_the_process_to_exit(t
 FAULTY_SERVICE = """
 import sys
 from service.engine.llama_runner import LlamaRunner
-LlamaRunner.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("injected fault"))
+
+def broken(*args, **kwargs):
+    raise RuntimeError("injected fault")
+
+LlamaRunner.forward = broken
 from service.cli import main
 sys.exit(main(sys.argv[1:]))
 """

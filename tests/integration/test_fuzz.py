@@ -4,6 +4,8 @@ answer, none leaves a traceback in the log, and the engine serves on afterwards.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from service.launcher import ServerProcess
@@ -21,5 +23,8 @@ def test_the_torch_runtime_survives_fuzzing(tiny_model_dir, tmp_path):
     text = log.read_text()
     assert cases > 500 and served > 20, f"{cases} cases, {served} reached the engine: the fuzzing stopped at the door"
     assert "Traceback" not in text, text[text.index("Traceback") - 500:][:4000]
-    assert " 500" not in text.replace("max_model_len=512", "")  # the access log's status column
+    # The access log's status column; readiness is 503 by contract while the weights load.
+    server_errors = [line for line in text.splitlines()
+                     if "service.access" in line and "/v1/health/ready" not in line and re.search(r" 5\d\d$", line)]
+    assert not server_errors, server_errors[:5]
     assert metric(samples, "request_failure_total", reason="error") == 0
