@@ -15,13 +15,15 @@ from factory.stack import helm_binary
 # Value sets every chart must render, lint and validate with.
 MATRIX: dict[str, dict[str, Any]] = {
     "cpu": {},
-    "gpu": {"resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}},
+    "gpu": {"resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
+            "runtimeClassName": "nvidia", "shmSize": "16Gi"},
     "persistence": {"persistence": {"enabled": True, "size": "20Gi"}, "statefulSet": {"enabled": True}},
     "autoscaling": {"autoscaling": {"enabled": True, "metrics": [{"type": "Pods", "pods": {
         "metric": {"name": "num_requests_waiting"}, "target": {"type": "AverageValue", "averageValue": "4"}}}]},
         "podDisruptionBudget": {"enabled": True}},
     "multiNode": {"multiNode": {"enabled": True, "size": 2},
-                  "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}},
+                  "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
+                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     "ingress": {"ingress": {"enabled": True, "className": "nginx"}, "networkPolicy": {"enabled": True},
                 "metrics": {"serviceMonitor": {"enabled": True}}, "grafanaDashboard": {"enabled": True}},
 }

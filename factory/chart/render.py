@@ -14,7 +14,7 @@ from factory.spec import LoadedSpec
 from service import image_contract as contract
 
 BASE_CHART = "nim-llm"
-GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+GPU_SHM_SIZE = "16Gi"  # /dev/shm for NCCL and vLLM's worker processes, as NIM's docs give --shm-size
 
 
 def base_chart_dir() -> Path:
@@ -50,7 +50,7 @@ def model_values(loaded: LoadedSpec, repository: str, tag: str) -> dict[str, Any
                               "resources": {"requests": requests, "limits": limits}}
     if spec.resources.gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.resources.gpus
-        values["tolerations"] = [GPU_TOLERATION]
+        values["shmSize"] = GPU_SHM_SIZE  # the chart adds the GPU toleration to a pod with a GPU limit
     return deep_merge(deep_merge(deep_merge(base, contract_values()), values), spec.chart.values)
 
 

@@ -68,11 +68,30 @@ def test_rendered_pod_is_secure_with_probes_and_gpu_toleration(chart_dir):
     assert container["readinessProbe"]["httpGet"]["path"] == "/v1/health/ready"
     assert container["startupProbe"]["failureThreshold"] >= 60
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["runtimeClassName"] == "nvidia"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["model-cache"] == "/opt/nim/.cache" and mounts["dshm"] == "/dev/shm"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["NIM_CACHE_PATH"] == "/opt/nim/.cache" and env["NIM_JSONL_LOGGING"] == "1"
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    spec = obj.get("spec", {})
+    templates = [spec.get("template")] + [spec.get("leaderWorkerTemplate", {}).get(k) for k in ("leaderTemplate", "workerTemplate")]
+    return [t["spec"] for t in templates if t]
+
+
+def test_gpu_toleration_is_rendered_once(chart_dir):
+    """A toleration for nvidia.com/gpu given in values is not added again; a CPU pod gets none."""
+    for name in ("gpu", "multiNode"):
+        for obj in render_objects(chart_dir, MATRIX[name]):
+            for pod in pod_specs(obj):
+                assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu"], (name, obj["kind"])
+    cpu = next(o for o in render_objects(chart_dir, MATRIX["cpu"]) if o["kind"] == "Deployment")
+    assert "tolerations" not in cpu["spec"]["template"]["spec"] and "runtimeClassName" not in cpu["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("values,message", [

@@ -5,6 +5,9 @@ Usage: {{ include "nim-llm.podSpec" . | nindent 6 }}
 {{- define "nim-llm.podSpec" -}}
 serviceAccountName: {{ include "nim-llm.serviceAccountName" . }}
 automountServiceAccountToken: {{ .Values.serviceAccount.automount }}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -70,7 +73,12 @@ volumes:
     {{- end }}
   {{- end }}
   - {name: tmp, emptyDir: {}}
-  - {name: dshm, emptyDir: {medium: Memory}}
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      {{- with .Values.shmSize }}
+      sizeLimit: {{ . }}
+      {{- end }}
   {{- with .Values.extraVolumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -83,14 +91,17 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- $gpu := and .Values.resources .Values.resources.limits (hasKey .Values.resources.limits "nvidia.com/gpu") }}
-{{- if or .Values.tolerations $gpu }}
+{{- $tolerations := .Values.tolerations | default list }}
+{{- if $gpu }}
+  {{- $given := false }}
+  {{- range $tolerations }}{{ if eq (.key | default "") "nvidia.com/gpu" }}{{ $given = true }}{{ end }}{{ end }}
+  {{- if not $given }}
+  {{- $tolerations = append $tolerations (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
+  {{- end }}
+{{- end }}
+{{- with $tolerations }}
 tolerations:
-  {{- with .Values.tolerations }}
   {{- toYaml . | nindent 2 }}
-  {{- end }}
-  {{- if $gpu }}
-  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-  {{- end }}
 {{- end }}
 {{- end }}
 
