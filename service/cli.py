@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"serve": serve, "list-model-profiles": list_model_profiles,
                 "download-to-cache": download_to_cache}[command](settings)
     except (ManifestError, NoCompatibleProfile, ModelSourceError, ValueError) as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)  # one line on stderr, as JSON where NIM_JSONL_LOGGING asks for it
         return 1
 
 

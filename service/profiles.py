@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class Gpu:
 class Hardware:
     gpus: tuple[Gpu, ...] = ()
     cpu_flags: frozenset[str] = frozenset()
+    no_gpu_reason: str = ""  # why none were found, where detection says
 
     def cpu_runs(self, precision: str) -> bool:
         """Whether the CPU computes this precision natively (fp32 always)."""
@@ -47,7 +49,7 @@ class Hardware:
 
     def describe(self) -> str:
         if not self.gpus:
-            return "no GPU (CPU only)"
+            return f"no GPU ({self.no_gpu_reason or 'CPU only'})"
         return ", ".join(f"GPU {g.index}: {g.name} ({g.memory_bytes // 2**30} GiB)" for g in self.gpus)
 
 
@@ -75,16 +77,55 @@ def cpu_flags() -> frozenset[str]:
 
 
 def detect_hardware() -> Hardware:
-    """GPUs as torch sees them (so CUDA_VISIBLE_DEVICES applies), and the CPU's features."""
-    import torch
+    """The GPUs NVML reports that CUDA_VISIBLE_DEVICES leaves visible, and the CPU's features.
 
-    if not torch.cuda.is_available():
-        return Hardware(cpu_flags=cpu_flags())
-    gpus = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        gpus.append(Gpu(index, props.name, gpu_kind(props.name), props.total_memory))
-    return Hardware(tuple(gpus), cpu_flags())
+    NVML answers in milliseconds without initialising CUDA or importing torch, and names what is
+    missing when there is no GPU (no driver library mounted, driver not loaded)."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return Hardware(cpu_flags=cpu_flags(), no_gpu_reason=_nvml_failure(exc))
+    try:
+        found = [_nvml_gpu(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+    gpus = visible_gpus(found, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    reason = "" if gpus else f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r} hides all {len(found)}"
+    return Hardware(tuple(gpus), cpu_flags(), reason if found else "NVML reports no NVIDIA GPU")
+
+
+def _nvml_failure(exc: Exception) -> str:
+    if type(exc).__name__ == "NVMLError_LibraryNotFound":
+        return ("NVML's libnvidia-ml.so.1 is missing, so no NVIDIA driver is mounted here; "
+                "run the container with the NVIDIA container toolkit on a GPU node")
+    return f"NVML could not start: {exc}"
+
+
+def _nvml_gpu(pynvml, index: int) -> tuple[Gpu, str]:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    name = pynvml.nvmlDeviceGetName(handle)
+    name = name.decode() if isinstance(name, bytes) else name
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    return Gpu(index, name, gpu_kind(name), pynvml.nvmlDeviceGetMemoryInfo(handle).total), uuid
+
+
+def visible_gpus(found: list[tuple[Gpu, str]], visible: str | None) -> list[Gpu]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it, over NVML's (PCI bus) order, which the image sets
+    CUDA_DEVICE_ORDER to: indices or UUID prefixes, up to the first entry that matches none;
+    unset means all. Visible GPUs are renumbered from 0, as CUDA does."""
+    if visible is None:
+        return [gpu for gpu, _ in found]
+    chosen: list[Gpu] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        match = [gpu for gpu, uuid in found if (entry.isdigit() and gpu.index == int(entry))
+                 or (entry.startswith("GPU-") and uuid.startswith(entry))]
+        if len(match) != 1 or match[0] in chosen:
+            break
+        chosen.append(match[0])
+    return [replace(gpu, index=position) for position, gpu in enumerate(chosen)]
 
 
 def available_engines() -> set[str]:
@@ -148,10 +189,11 @@ def check_profiles(manifest: Manifest, hardware: Hardware, engines: set[str], tp
 
 
 def preference_key(profile: Profile, hardware: Hardware) -> tuple:
-    """Exact GPU match over `any`, then engine rank, then lower precision, then throughput."""
+    """Exact GPU match over `any`, then the most GPUs used (the pod was given them to use), then
+    engine rank, then lower precision, then throughput."""
     tags = profile.tags
     exact = 0 if tags.gpu in hardware.gpu_kinds or tags.gpu == "cpu" else 1
-    return (exact, ENGINE_RANK.get(tags.engine, 9), PRECISION_RANK.get(tags.precision, 9),
+    return (exact, -tags.tp * tags.pp, ENGINE_RANK.get(tags.engine, 9), PRECISION_RANK.get(tags.precision, 9),
             0 if tags.profile == "throughput" else 1, profile.name)
 
 
@@ -173,9 +215,15 @@ def select_profile(manifest: Manifest, hardware: Hardware, engines: set[str], re
         raise NoCompatibleProfile(f"NIM_MODEL_PROFILE={requested!r} matches no profile; known: {known}")
     compatible = [c.profile for c in checks if c.compatible]
     if not compatible:
-        reasons = "\n".join(f"  - {c.profile.name}: {'; '.join(c.reasons)}" for c in checks)
-        raise NoCompatibleProfile(f"no compatible profile for {hardware.describe()}:\n{reasons}")
+        raise NoCompatibleProfile(f"no compatible profile on this machine, {hardware.describe()}: {_first_reasons(checks)}")
     return min(compatible, key=lambda p: preference_key(p, hardware))
+
+
+def _first_reasons(checks: list[Compatibility], shown: int = 3) -> str:
+    """One line: start-up errors are read in a pod's last log line."""
+    text = "; ".join(f"{c.profile.name}: {', '.join(c.reasons)}" for c in checks[:shown])
+    more = len(checks) - shown
+    return text + (f"; and {more} more (list-model-profiles gives each profile's reasons)" if more > 0 else "")
 
 
 def format_profile_table(manifest: Manifest, hardware: Hardware, engines: set[str]) -> str:

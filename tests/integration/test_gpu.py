@@ -35,6 +35,29 @@ async def test_engine_on_cuda_recalls_memorised_lines_in_a_batch(tiny_model_dir,
         await engine.shutdown()
 
 
+async def _greedy_tokens(engine: TorchEngine, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
+    async def one(prompt: str) -> list[int]:
+        ids = engine.tokenizer(prompt)["input_ids"]
+        tokens: list[int] = []
+        async for deltas in engine.generate(GenerationRequest(prompt, ids, SamplingParams(temperature=0, max_tokens=max_tokens))):
+            tokens += [t for d in deltas for t in d.token_ids]
+        return tokens
+
+    await engine.start()
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    finally:
+        await engine.shutdown()
+
+
+async def test_cuda_greedy_tokens_equal_the_cpus(tiny_model_dir):
+    """fp32 on CUDA and on CPU, in one batch of prompts the model has and has not memorised."""
+    prompts = [p for p, _ in memorised_pairs()[:8]] + ["The weather today", "Once upon a time", "1, 2, 3,", "Q:"]
+    on_cpu = await _greedy_tokens(TorchEngine(tiny_model_dir, device="cpu", precision="fp32", max_num_seqs=16), prompts)
+    on_cuda = await _greedy_tokens(TorchEngine(tiny_model_dir, device="cuda", precision="fp32", max_num_seqs=16), prompts)
+    assert on_cuda == on_cpu
+
+
 def _vllm_cuda_reason() -> str | None:
     from service.profiles import vllm_build
 

@@ -1,8 +1,11 @@
+from pathlib import Path
+
 import pytest
+import yaml
 
 from service.manifest import Manifest, ManifestError, ModelInfo, Profile, ProfileTags, load_manifest, profile_id
-from service.profiles import (Gpu, Hardware, NoCompatibleProfile, check_profiles, format_profile_table, gpu_kind,
-                              select_profile)
+from service.profiles import (Gpu, Hardware, NoCompatibleProfile, check_profiles, detect_hardware,
+                              format_profile_table, gpu_kind, select_profile, visible_gpus)
 
 CPU = Hardware()
 H100x2 = Hardware((Gpu(0, "NVIDIA H100 80GB HBM3", "h100", 80 * 2**30), Gpu(1, "NVIDIA H100 80GB HBM3", "h100", 80 * 2**30)))
@@ -117,3 +120,66 @@ def test_a_16_bit_cpu_profile_needs_the_cpus_native_support():
         assert check.compatible, check.reasons
     (check,) = check_profiles(manifest(profile()), CPU, {"torch"})
     assert check.compatible, "fp32 needs nothing"
+
+
+# -- GPU detection (NVML) and the cuda sample spec's profiles, on described hardware ------------
+@pytest.mark.parametrize("visible,expected", [
+    (None, [0, 1, 2, 3]), ("", []), ("2", [2]), ("3,1", [3, 1]), ("GPU-2a2", [2]),
+    ("1,9,2", [1]),  # CUDA stops at the first entry that names no device
+    ("1,1", [1]),  # and at a repeated one
+    ("-1", []),
+])
+def test_cuda_visible_devices_over_nvml_order(visible, expected):
+    found = [(Gpu(i, f"NVIDIA H100 #{i}", "h100", 80 * 2**30), f"GPU-{i}a{i}b-{i}") for i in range(4)]
+    chosen = visible_gpus(found, visible)
+    assert [g.name for g in chosen] == [f"NVIDIA H100 #{i}" for i in expected]
+    assert [g.index for g in chosen] == list(range(len(expected)))  # renumbered from 0, as CUDA does
+
+
+def test_no_nvml_library_names_the_missing_driver():
+    """On this machine there is no NVIDIA driver: NVML's library is missing, and the reason says so."""
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        pytest.skip("an NVIDIA driver is present here")
+    except pynvml.NVMLError_LibraryNotFound:
+        pass
+    hardware = detect_hardware()
+    assert not hardware.gpus and "libnvidia-ml.so.1" in hardware.describe()
+
+
+CUDA_SPEC = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama-cuda.yaml"
+
+
+def cuda_manifest() -> Manifest:
+    spec = yaml.safe_load(CUDA_SPEC.read_text())
+    return manifest(*(profile(p["engine"], p["precision"], p["tp"], p["gpu"], p["profile"]) for p in spec["profiles"]))
+
+
+def gpus(name: str, count: int) -> Hardware:
+    return Hardware(tuple(Gpu(i, name, gpu_kind(name), 80 * 2**30) for i in range(count)))
+
+
+@pytest.mark.parametrize("hardware,expected", [
+    (gpus("NVIDIA H100 80GB HBM3", 1), "vllm-fp8-tp1-h100-latency"),
+    (gpus("NVIDIA H100 80GB HBM3", 8), "vllm-fp8-tp8-h100-latency"),
+    (gpus("NVIDIA A100-SXM4-80GB", 4), "vllm-fp8-tp4-a100-latency"),
+    (gpus("NVIDIA L40S", 2), "vllm-fp8-tp2-l40s-latency"),
+    (gpus("NVIDIA L40S", 3), "vllm-fp8-tp2-l40s-latency"),  # the largest tp that fits: there is no tp 3
+    (gpus("NVIDIA L4", 1), "torch-bf16-tp1-any-latency"),  # no vLLM profile for it: the torch engine
+])
+def test_cuda_spec_picks_the_profile_that_uses_the_pods_gpus(hardware, expected):
+    assert select_profile(cuda_manifest(), hardware, {"torch", "vllm"}).name == expected
+
+
+def test_cuda_spec_without_a_gpu_fails_in_one_line_naming_the_gpus():
+    hardware = Hardware(no_gpu_reason="NVML's libnvidia-ml.so.1 is missing")
+    checks = check_profiles(cuda_manifest(), hardware, {"torch", "vllm"})
+    assert checks and not any(c.compatible for c in checks)
+    assert all("none detected" in "; ".join(c.reasons) for c in checks)
+    with pytest.raises(NoCompatibleProfile) as err:
+        select_profile(cuda_manifest(), hardware, {"torch", "vllm"})
+    message = str(err.value)
+    assert "\n" not in message and "libnvidia-ml.so.1" in message and "'h100'" in message
+    assert "and 22 more (list-model-profiles" in message
