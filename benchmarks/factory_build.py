@@ -1,11 +1,13 @@
 """Factory build costs: a no-op `inferkiln build` as a whole process (what a user waits for), a cold
 runtime and model build from a warm wheelhouse, a second model on the same runtime, image sizes,
-and container start-to-ready time. Writes results/factory_build.json.
+and container start-to-ready time; then, for each runtime flavor, its wheels' download size, its
+cold build time and its image's size, uncompressed and as pushed to a registry (the compressed
+layers a node pulls). Writes results/factory_build.json.
 
 "Cold" rebuilds the runtime and model images without Docker's layer cache; the base image and the
 wheelhouse stay cached (their one-time costs are reported when they had to be made).
 
-    python -m benchmarks.factory_build
+    python -m benchmarks.factory_build [--flavors cpu,vllm-cpu,cuda]
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import write_result
-from factory.image.build import build_images, ensure_base_image
-from factory.image.wheelhouse import ensure_wheelhouse
+from factory.image.build import build_images, build_runtime, ensure_base_image
+from factory.image.context import runtime_reference
+from factory.image.flavors import FLAVORS
+from factory.image.wheelhouse import cached_wheelhouse, ensure_wheelhouse
 from factory.pipeline.runner import Runner
-from factory.stack import docker_client
+from factory.release.publish import push_image
+from factory.stack import docker_client, ensure_registry
 from factory.tinymodel import ensure_tiny_model
 from factory.verify.container import start_model
 
@@ -44,6 +49,34 @@ def size_mb(client, reference: str) -> float:
     return client.images.get(reference).attrs["Size"] / 2**20
 
 
+def pushed_bytes(client, reference: str, registry: str) -> int:
+    """Push to the registry and add up what it stores: the config and the compressed layers."""
+    import oras.container
+    import oras.provider
+
+    pushed = push_image(client, reference, registry, lambda _: None)
+    manifest = oras.provider.Registry(hostname=registry, insecure=True).get_manifest(
+        oras.container.Container(f"{pushed.reference.rsplit(':', 1)[0]}@{pushed.digest}"))
+    return manifest["config"]["size"] + sum(layer["size"] for layer in manifest["layers"])
+
+
+def flavor_costs(client, name: str, registry: str) -> dict:
+    """One runtime flavor: wheels (download size and time, if not cached), cold build, image sizes."""
+    flavor = FLAVORS[name]
+    ensure_base_image(client, print, flavor.base_image)
+    cached = cached_wheelhouse(flavor) is not None
+    start = time.perf_counter()
+    wheels = ensure_wheelhouse(flavor, print)
+    download_seconds = None if cached else round(time.perf_counter() - start, 1)
+    built = build_runtime(client, flavor, runtime_reference(flavor), lambda _: None, cold=True)
+    size = client.images.get(built.reference).attrs["Size"]
+    return {"wheel_download_bytes": sum(w.stat().st_size for w in wheels.glob("*.whl")),
+            "wheel_download_seconds": download_seconds,  # None: the wheelhouse was cached
+            "cold_build_seconds_warm_wheelhouse": round(built.seconds, 1),
+            "image_bytes_uncompressed": size, "image_bytes_pushed": pushed_bytes(client, built.reference, registry),
+            "image_gb_uncompressed": round(size / 1e9, 2)}
+
+
 def timed_cli(*args: str) -> float:
     """One whole `inferkiln` process, from exec to exit."""
     start = time.perf_counter()
@@ -55,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--starts", type=int, default=3, help="container starts to time")
     parser.add_argument("--noop-runs", type=int, default=5, help="no-op `inferkiln build` processes to time")
+    parser.add_argument("--flavors", default=",".join(FLAVORS), help="runtime flavors to build, size and push")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     client = docker_client()
@@ -95,6 +129,8 @@ def main() -> None:
         "start_to_ready_seconds": {"median": round(statistics.median(starts), 2),
                                    "all": [round(s, 2) for s in starts]},
     }
+    registry = ensure_registry()
+    result["flavors"] = {name: flavor_costs(client, name, registry) for name in args.flavors.split(",") if name}
     for key, value in result.items():
         print(f"{key}: {value}")
     print(write_result("factory_build", result, args.out))

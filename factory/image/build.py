@@ -11,9 +11,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from factory.errors import CheckFailed
@@ -89,12 +93,15 @@ def _existing(client, reference: str) -> str | None:
         return None
 
 
-def build_context(client, context: Path, reference: str, progress: Progress, no_cache: bool = False) -> str:
-    """`docker build` through the Engine API, streaming its steps; the image id, or BuildError."""
+def build_context(client, context: Path, reference: str, progress: Progress, no_cache: bool = False,
+                  wheels: str | None = None) -> str:
+    """`docker build` through the Engine API, streaming its steps; the image id, or BuildError.
+    `wheels` is a find-links URL on loopback: the build then runs on the host's network to reach it."""
     step = "(before the first step)"
     image_id = None
+    network = {"buildargs": {"WHEELS": wheels}, "network_mode": "host"} if wheels else {}
     for chunk in client.api.build(path=str(context), tag=reference, rm=True, forcerm=True, decode=True, pull=False,
-                                  nocache=no_cache):
+                                  nocache=no_cache, **network):
         if "stream" in chunk:
             line = chunk["stream"].rstrip()
             if line.startswith("Step "):
@@ -116,11 +123,30 @@ def build_runtime(client, flavor: Flavor, reference: str, progress: Progress, co
     ensure_base_image(client, progress, flavor.base_image)
     wheels = ensure_wheelhouse(flavor, progress)
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        context = write_runtime_context(flavor, Path(tmp) / "runtime", wheels)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp, serve_directory(wheels) as wheels_url:
+        context = write_runtime_context(flavor, Path(tmp) / "runtime")
         progress(f"building {reference}...")
-        image_id = build_context(client, context, reference, progress, no_cache=cold)
+        image_id = build_context(client, context, reference, progress, no_cache=cold, wheels=wheels_url)
     return BuiltImage(reference, image_id, True, time.perf_counter() - start)
+
+
+@contextmanager
+def serve_directory(directory: Path) -> Iterator[str]:
+    """The directory's listing over HTTP on loopback (pip's --find-links reads it), while in use."""
+    handler = partial(_QuietFiles, directory=str(directory))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/"
+        finally:
+            server.shutdown()
+            thread.join()
+
+
+class _QuietFiles(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+        pass
 
 
 def build_images(client, loaded: LoadedSpec, plan: ImagePlan, progress: Progress, cold: bool = False) -> BuiltImages:

@@ -1,7 +1,8 @@
 """Build contexts a person can read and `docker build` by hand, and the image references, which are
 digests of exactly what goes into those contexts (so no Docker is needed to know them).
 
-    runtime/  Dockerfile, requirements.lock, bin/ (NIM wrappers), service/ (the runtime), wheels/
+    runtime/  Dockerfile, requirements.lock, bin/ (NIM wrappers), service/ (the runtime)
+    wheels/   the flavor's wheelhouse, which the runtime's build installs from over loopback
     model/    Dockerfile, model_manifest.yaml, model/ (the weights, when baked)
 
 The runtime's identity is its lock, the runtime's code and the templates: the factory's own code
@@ -23,7 +24,7 @@ from pathlib import Path
 import jinja2
 
 from factory.image.flavors import Flavor, flavor as flavor_named
-from factory.image.lock import lock_digest
+from factory.image.lock import lock_digest, locked_versions
 from factory.paths import repo_root
 from factory.spec import LoadedSpec
 from service import image_contract as contract
@@ -33,8 +34,10 @@ IGNORED = {"__pycache__", ".pytest_cache"}
 
 
 def templates() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(repo_root() / "dockerfiles"),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(repo_root() / "dockerfiles"),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["quoted"] = json.dumps  # a Dockerfile's double-quoted string (tojson escapes < > & for HTML)
+    return env
 
 
 def tree_files(root: Path, skip: Callable[[Path], bool] = lambda p: False) -> Iterator[Path]:
@@ -59,10 +62,28 @@ def runtime_flavor(loaded: LoadedSpec) -> Flavor:
 
 def runtime_dockerfile(flavor: Flavor) -> str:
     return templates().get_template("runtime.Dockerfile.j2").render(
-        base_image=flavor.base_image, install_python=flavor.install_python, uid=contract.UID, port=contract.PORT,
-        home=contract.HOME, venv=contract.VENV, app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
+        base_image=flavor.base_image, uid=contract.UID, port=contract.PORT, home=contract.HOME, venv=contract.VENV,
+        site_packages=f"{contract.VENV}/lib/python{flavor.python_version}/site-packages", prune=flavor.prune,
+        app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
         manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
-        env=contract.image_env())
+        env=contract.image_env() | gpu_env(flavor))
+
+
+def gpu_env(flavor: Flavor) -> dict[str, str]:
+    """For a flavor that locks the CUDA runtime, what NVIDIA's CUDA images set for the container
+    toolkit (which mounts the driver's libraries for these capabilities and refuses to start the
+    container on a driver older than the CUDA version the lock installs), and where kernels go."""
+    runtime = locked_versions(flavor.lock_path).get("nvidia-cuda-runtime")
+    if runtime is None:
+        return {}
+    major, minor = runtime.split(".")[:2]
+    return {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+            "NVIDIA_REQUIRE_CUDA": f"cuda>={major}.{minor}",
+            # NVML's order, which detection reads (CUDA's own default puts the fastest GPU first)
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            # Triton writes compiled kernels under $HOME, which is read-only in a pod: keep them in the
+            # cache volume with vLLM's and FlashInfer's, so a restart reuses them.
+            "TRITON_CACHE_DIR": f"{contract.CACHE_PATH}/triton"}
 
 
 def runtime_digest(flavor: Flavor, root: Path | None = None) -> str:
@@ -77,8 +98,8 @@ def runtime_reference(flavor: Flavor) -> str:
     return f"inferkiln/runtime-{flavor.name}:{runtime_digest(flavor)[:12]}"
 
 
-def write_runtime_context(flavor: Flavor, out: Path, wheels: Path | None) -> Path:
-    """The runtime context; `wheels` (the flavor's wheelhouse) is linked in when given."""
+def write_runtime_context(flavor: Flavor, out: Path) -> Path:
+    """The runtime context: no wheels, which the build fetches from the WHEELS location."""
     root = repo_root()
     if out.exists():
         shutil.rmtree(out)
@@ -90,9 +111,13 @@ def write_runtime_context(flavor: Flavor, out: Path, wheels: Path | None) -> Pat
             target = out / name / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
-    (out / "wheels").mkdir()
-    for wheel in sorted(wheels.glob("*.whl")) if wheels else []:
-        _link_or_copy(str(wheel), str(out / "wheels" / wheel.name))
+    return out
+
+
+def link_wheelhouse(wheels: Path, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for wheel in sorted(wheels.glob("*.whl")):
+        _link_or_copy(str(wheel), str(out / wheel.name))
     return out
 
 
@@ -207,6 +232,8 @@ class RenderedContexts:
 
 
 def write_contexts(loaded: LoadedSpec, plan: ImagePlan, out: Path, wheels: Path | None) -> RenderedContexts:
-    runtime_dir = write_runtime_context(plan.flavor, out / "runtime", wheels)
+    runtime_dir = write_runtime_context(plan.flavor, out / "runtime")
+    if wheels:
+        link_wheelhouse(wheels, out / "wheels")
     model_dir = write_model_context(loaded, out / "model", plan.runtime_reference, plan.model_digest)
     return RenderedContexts(plan, runtime_dir, model_dir, wheels is not None)

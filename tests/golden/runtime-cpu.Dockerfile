@@ -1,17 +1,14 @@
-
-FROM inferkiln/base:bookworm-py311-05b09c67 AS build
-COPY requirements.lock /tmp/requirements.lock
-COPY wheels/ /tmp/wheels/
-RUN python3 -m venv /opt/nim/venv \
- && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir \
-      --find-links /tmp/wheels -r /tmp/requirements.lock
-
 FROM inferkiln/base:bookworm-py311-05b09c67
 RUN groupadd --gid 65532 nim \
  && useradd --uid 65532 --gid 65532 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
  && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \
  && chown 65532:65532 /opt/nim/.cache
-COPY --from=build /opt/nim/venv /opt/nim/venv
+COPY requirements.lock /tmp/requirements.lock
+ARG WHEELS
+RUN python3 -m venv /opt/nim/venv \
+ && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir --disable-pip-version-check \
+      --find-links "$WHEELS" -r /tmp/requirements.lock \
+ && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
 ENV PATH="/opt/nim/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -1,21 +1,28 @@
-
-FROM nvcr.io/nvidia/cuda:TAG AS build
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
- && rm -rf /var/lib/apt/lists/*
-COPY requirements.lock /tmp/requirements.lock
-COPY wheels/ /tmp/wheels/
-RUN python3 -m venv /opt/nim/venv \
- && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir \
-      --find-links /tmp/wheels -r /tmp/requirements.lock
-
-FROM nvcr.io/nvidia/cuda:TAG
-RUN apt-get update && apt-get install -y --no-install-recommends python3 \
- && rm -rf /var/lib/apt/lists/*
+FROM inferkiln/base:bookworm-py311-2949e0aa
 RUN groupadd --gid 65532 nim \
  && useradd --uid 65532 --gid 65532 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
  && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \
  && chown 65532:65532 /opt/nim/.cache
-COPY --from=build /opt/nim/venv /opt/nim/venv
+COPY requirements.lock /tmp/requirements.lock
+ARG WHEELS
+RUN python3 -m venv /opt/nim/venv \
+ && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir --disable-pip-version-check \
+      --find-links "$WHEELS" -r /tmp/requirements.lock \
+ && cd /opt/nim/venv/lib/python3.11/site-packages && rm -rf \
+      nvidia/cu13/lib/libnvrtc.alt.so.* \
+      nvidia/cu13/lib/libnvrtc-builtins.alt.so.* \
+      nvidia/cu13/lib/libcusolverMg.so.* \
+      nvidia/cu13/lib/libcufile_rdma.so.* \
+      nvidia/nvshmem/lib/nvshmem_transport_ibgda.so.* \
+      nvidia/nvshmem/lib/nvshmem_transport_ibdevx.so.* \
+      nvidia/nvshmem/lib/nvshmem_transport_libfabric.so.* \
+      nvidia/nvshmem/lib/nvshmem_transport_ucx.so.* \
+      nvidia/nvshmem/lib/nvshmem_bootstrap_mpi.so.* \
+      nvidia/nvshmem/lib/nvshmem_bootstrap_shmem.so.* \
+      nvidia/nvshmem/lib/nvshmem_bootstrap_pmix.so.* \
+      numba/np/ufunc/tbbpool.*.so \
+      triton/backends/nvidia/lib/cupti \
+ && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
 ENV PATH="/opt/nim/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -26,6 +33,11 @@ ENV NIM_MANIFEST_PATH="/opt/nim/etc/default/model_manifest.yaml"
 ENV NIM_SERVER_PORT="8000"
 ENV PYTHONUNBUFFERED="1"
 ENV HF_HUB_OFFLINE="0"
+ENV NVIDIA_VISIBLE_DEVICES="all"
+ENV NVIDIA_DRIVER_CAPABILITIES="compute,utility"
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
+ENV CUDA_DEVICE_ORDER="PCI_BUS_ID"
+ENV TRITON_CACHE_DIR="/opt/nim/.cache/triton"
 USER 65532:65532
 WORKDIR /opt/nim
 EXPOSE 8000

@@ -20,7 +20,7 @@ import yaml
 from openai import OpenAI
 
 from factory.chart.helm import helm
-from factory.image.build import BuildError, build_context
+from factory.image.build import BuildError, build_context, serve_directory
 from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import RunSettings, Runner
@@ -160,9 +160,11 @@ def test_docker_build_works_on_render_output(client, spec_path, built, tmp_path)
     assert contexts.wheels_included, "the build filled the wheelhouse, so render links it in"
     tag = f"inferkiln/render-check:{uuid.uuid4().hex[:8]}"
     try:
-        for context in (contexts.runtime_dir, contexts.model_dir):
-            result = subprocess.run(["docker", "build", "-q", "-t", tag, str(context)], capture_output=True, text=True)
-            assert result.returncode == 0, result.stderr[-2000:]
+        with serve_directory(tmp_path / "render" / "wheels") as wheels:  # as the CLI's note says to, by hand
+            runtime = ["--network", "host", "--build-arg", f"WHEELS={wheels}", str(contexts.runtime_dir)]
+            for args in (runtime, [str(contexts.model_dir)]):
+                result = subprocess.run(["docker", "build", "-q", "-t", tag, *args], capture_output=True, text=True)
+                assert result.returncode == 0, result.stderr[-2000:]
         model_from = (contexts.model_dir / "Dockerfile").read_text().split("\n", 1)[0]
         assert model_from == f"FROM {built.runtime.reference}"
     finally:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from factory.chart.render import model_values
 from factory.cli import app
 from factory.image.context import model_manifest, runtime_dockerfile, runtime_flavor
-from factory.image.flavors import DEBIAN_BASE_IMAGE
+from factory.image.flavors import CUDA_LEFT_OUT, DEBIAN_BASE_IMAGE, FLAVORS
 from factory.pipeline.files import PipelineError, load_pipeline
 from factory.pipeline.runner import Runner
 from factory.spec import SpecError, load_spec
@@ -90,9 +90,9 @@ def test_validate_command_exit_codes(tiny_model_dir, tmp_path):
 def test_render_writes_the_contexts_build_builds(tiny_model_dir, tmp_path):
     contexts, chart = Runner(write_spec(tmp_path, tiny_model_dir)).render(tmp_path / "out")
     runtime = (contexts.runtime_dir / "Dockerfile").read_text()
-    assert f"FROM {DEBIAN_BASE_IMAGE} AS build" in runtime
+    assert runtime.startswith(f"FROM {DEBIAN_BASE_IMAGE}\n") and "AS build" not in runtime, "one stage"
     assert f"USER {contract.UID}:{contract.UID}" in runtime and 'ENTRYPOINT ["nim-serve"]' in runtime
-    assert "--no-index" in runtime and "--require-hashes" in runtime, "the lock, from the wheelhouse, no network"
+    assert "--no-index" in runtime and "--require-hashes" in runtime, "the lock, from the wheelhouse alone"
     lock = (contexts.runtime_dir / "requirements.lock").read_text()
     assert "torch==2.13.0+cpu" in lock and "--hash=sha256:" in lock
     assert (contexts.runtime_dir / "service" / "__main__.py").is_file()
@@ -107,15 +107,22 @@ def test_render_writes_the_contexts_build_builds(tiny_model_dir, tmp_path):
     assert (chart / "Chart.yaml").is_file()
 
 
-def test_cuda_flavor_renders_with_a_cuda_base_and_its_lock(tiny_model_dir, tmp_path):
+def test_cuda_flavor_renders_on_our_base_with_its_lock_and_the_toolkits_env(tiny_model_dir, tmp_path):
     loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda"}))
     flavor = runtime_flavor(loaded)
     dockerfile = runtime_dockerfile(flavor)
-    assert "FROM nvcr.io/nvidia/cuda:" in dockerfile and "apt-get install" in dockerfile
-    assert "vllm==" in flavor.lock_path.read_text()
+    assert dockerfile.startswith(f"FROM {FLAVORS['vllm-cpu'].base_image}\n"), "the vLLM flavors share a base"
+    assert "nvcr.io" not in dockerfile and "apt-get" not in dockerfile
+    assert 'ENV NVIDIA_DRIVER_CAPABILITIES="compute,utility"' in dockerfile
+    assert 'ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"' in dockerfile  # the lock's nvidia-cuda-runtime 13.0.x
+    lock = flavor.lock_path.read_text()
+    assert "vllm==" in lock and "nvidia-cuda-runtime==13.0." in lock
+    assert all(f"\n{name}==" not in lock for name in CUDA_LEFT_OUT), "left-out packages stay out of the lock"
+    assert "rm -rf" in dockerfile and "triton/backends/amd" in dockerfile
+    assert 'ENV NVIDIA_VISIBLE_DEVICES' not in runtime_dockerfile(FLAVORS["vllm-cpu"])
     custom = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda",
-                                                                 "runtime.base_image": "registry.example/cuda:1"}))
-    assert "FROM registry.example/cuda:1 AS build" in runtime_dockerfile(runtime_flavor(custom))
+                                                                 "runtime.base_image": "registry.example/base:1"}))
+    assert runtime_dockerfile(runtime_flavor(custom)).startswith("FROM registry.example/base:1\n")
 
 
 def test_unbaked_model_keeps_its_source(tiny_model_dir, tmp_path):
@@ -131,7 +138,7 @@ def test_chart_values_follow_the_spec(tiny_model_dir, tmp_path):
                                "pullPolicy": "IfNotPresent", "digest": ""}
     assert values["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert values["resources"]["limits"]["cpu"] == values["resources"]["requests"]["cpu"] == "2"
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in values["tolerations"]
+    assert values["tolerations"] == [] and values["shmSize"] == "16Gi"  # the chart adds the toleration, once
     assert values["replicaCount"] == 3 and values["model"]["name"] == "tiny-llama"
 
 
