@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jinja2
 
-from factory.image.flavors import Flavor, flavor as flavor_named
+from factory.image.flavors import CUDA_HOME, Flavor, flavor as flavor_named
 from factory.image.lock import lock_digest, locked_versions
 from factory.paths import repo_root
 from factory.spec import LoadedSpec
@@ -63,7 +63,8 @@ def runtime_flavor(loaded: LoadedSpec) -> Flavor:
 def runtime_dockerfile(flavor: Flavor) -> str:
     return templates().get_template("runtime.Dockerfile.j2").render(
         base_image=flavor.base_image, uid=contract.UID, port=contract.PORT, home=contract.HOME, venv=contract.VENV,
-        site_packages=f"{contract.VENV}/lib/python{flavor.python_version}/site-packages", prune=flavor.prune,
+        site_packages=site_packages(flavor), prune=flavor.prune, links=flavor.links,
+        driver_stub=flavor.driver_stub,
         app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
         manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
         env=contract.image_env() | gpu_env(flavor))
@@ -83,7 +84,13 @@ def gpu_env(flavor: Flavor) -> dict[str, str]:
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             # Triton writes compiled kernels under $HOME, which is read-only in a pod: keep them in the
             # cache volume with vLLM's and FlashInfer's, so a restart reuses them.
-            "TRITON_CACHE_DIR": f"{contract.CACHE_PATH}/triton"}
+            "TRITON_CACHE_DIR": f"{contract.CACHE_PATH}/triton",
+            # the CUDA compiler and headers FlashInfer's JIT uses (from the wheels; see CUDA_HOME_LINKS)
+            "CUDA_HOME": f"{site_packages(flavor)}/{CUDA_HOME}"}
+
+
+def site_packages(flavor: Flavor) -> str:
+    return f"{contract.VENV}/lib/python{flavor.python_version}/site-packages"
 
 
 def runtime_digest(flavor: Flavor, root: Path | None = None) -> str:

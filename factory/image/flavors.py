@@ -38,6 +38,8 @@ class Flavor:
     platform: str  # uv's --python-platform for the lock
     no_emit: tuple[str, ...] = ()  # packages a dependency declares that must stay out of the image
     prune: tuple[str, ...] = ()  # paths (shell globs) under site-packages that serving never loads
+    links: tuple[tuple[str, str], ...] = ()  # (link, target) under site-packages, made after install
+    driver_stub: str | None = None  # under site-packages: an empty libcuda.so to link JIT-built kernels with
     local_wheels: bool = False  # resolve with the find-links that hold builds outside the index (CPU torch)
     engines: tuple[str, ...] = ("torch",)  # the profile engines its image can run
 
@@ -86,6 +88,13 @@ CUDA_PRUNED = (
     "numba/np/ufunc/tbbpool.*.so",  # numba's TBB threading layer (no libtbb); it falls back to OpenMP
     "triton/backends/nvidia/lib/cupti",  # CUPTI for Triton's Proton profiler (torch links nvidia/cu13's)
 )
+# The CUDA wheels' directory as a CUDA_HOME for FlashInfer's JIT, which links `-L$CUDA_HOME/lib64 -lcudart`.
+CUDA_HOME = "nvidia/cu13"
+CUDA_HOME_LINKS = ((f"{CUDA_HOME}/lib64", "lib"), (f"{CUDA_HOME}/lib/libcudart.so", "libcudart.so.13"))
+# ...and `-L$CUDA_HOME/lib64/stubs -lcuda`, which needs a libcuda.so at link time: the driver's comes from
+# the toolkit as libcuda.so.1 only. As CUDA's own lib64/stubs, an object to link against whose soname
+# makes the kernels load the real driver; it holds no code (a shared object may leave symbols undefined).
+CUDA_DRIVER_STUB = f"{CUDA_HOME}/lib/stubs/libcuda.so"
 # Libraries the NVIDIA container toolkit mounts from the host's driver at run time: the image's
 # shared objects may name them, and the image must not carry them.
 DRIVER_LIBRARIES = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
@@ -107,7 +116,8 @@ FLAVORS: dict[str, Flavor] = {
     # base: no NVIDIA base image (the driver's libraries come from the container toolkit at run time).
     # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
     "cuda": Flavor("cuda", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
-                   no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), engines=("vllm", "torch")),
+                   no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), links=CUDA_HOME_LINKS,
+                   driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch")),
 }
 
 

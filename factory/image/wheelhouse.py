@@ -52,4 +52,7 @@ def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    for stale in target.parent.glob(f"{flavor.name}-*"):  # earlier locks' wheels (the cuda flavor's: 3.3 GB)
+        if stale != target:
+            shutil.rmtree(stale, ignore_errors=True)
     return target

@@ -8,7 +8,8 @@ ARG WHEELS
 RUN python3 -m venv /opt/nim/venv \
  && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir --disable-pip-version-check \
       --find-links "$WHEELS" -r /tmp/requirements.lock \
- && cd /opt/nim/venv/lib/python3.11/site-packages && rm -rf \
+ && cd /opt/nim/venv/lib/python3.11/site-packages \
+ && rm -rf \
       nvidia/cu13/lib/libnvrtc.alt.so.* \
       nvidia/cu13/lib/libnvrtc-builtins.alt.so.* \
       nvidia/cu13/lib/libcusolverMg.so.* \
@@ -22,6 +23,10 @@ RUN python3 -m venv /opt/nim/venv \
       nvidia/nvshmem/lib/nvshmem_bootstrap_pmix.so.* \
       numba/np/ufunc/tbbpool.*.so \
       triton/backends/nvidia/lib/cupti \
+ && ln -s lib nvidia/cu13/lib64 \
+ && ln -s libcudart.so.13 nvidia/cu13/lib/libcudart.so \
+ && mkdir -p nvidia/cu13/lib/stubs \
+ && gcc -shared -Wl,-soname,libcuda.so.1 -o nvidia/cu13/lib/stubs/libcuda.so -x c /dev/null \
  && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
@@ -38,6 +43,7 @@ ENV NVIDIA_DRIVER_CAPABILITIES="compute,utility"
 ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 ENV CUDA_DEVICE_ORDER="PCI_BUS_ID"
 ENV TRITON_CACHE_DIR="/opt/nim/.cache/triton"
+ENV CUDA_HOME="/opt/nim/venv/lib/python3.11/site-packages/nvidia/cu13"
 USER 65532:65532
 WORKDIR /opt/nim
 EXPOSE 8000

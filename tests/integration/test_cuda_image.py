@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factory.image.flavors import DRIVER_LIBRARIES, FLAVORS
+from factory.image.flavors import CUDA_DRIVER_STUB, DRIVER_LIBRARIES, FLAVORS
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client
@@ -27,12 +27,15 @@ SAMPLE = ROOT / "pipelines" / "models" / "tiny-llama-cuda.yaml"
 LOCK = locked_versions(FLAVORS["cuda"].lock_path)
 # Lists each ELF file's needed libraries, and every library file or soname the image holds (the venv's
 # and the system's): what a needed name matches nowhere is missing from the image. readelf comes with
-# the base's compiler (binutils), which Triton needs anyway.
+# the base's compiler (binutils), which Triton needs anyway. A `stubs` directory holds link-time
+# stand-ins that no loader searches (the image's libcuda.so for FlashInfer's JIT): it provides nothing.
 ELF_CHECK = r"""
 import json, os, re, subprocess, sys
 provided, needed = set(), {}
 for root in sys.argv[1:]:
     for d, _, files in os.walk(root):
+        if "stubs" in d.split(os.sep):
+            continue
         for f in files:
             p = os.path.join(d, f)
             if ".so" not in f or os.path.islink(p) and not os.path.exists(p):
@@ -78,12 +81,12 @@ def _pulls(client) -> int:
 
 
 def run(client, image: str, *command: str, entrypoint: str | None = None, timeout: float = 300,
-        user: str | None = None) -> tuple[int, str, float]:
+        user: str | None = None, env: dict[str, str] | None = None) -> tuple[int, str, float]:
     """The exit code, output and seconds of one container, with no GPU and no restart policy, logging
     JSON as the chart has it do."""
     start = time.perf_counter()
     container = client.containers.run(image, list(command), entrypoint=entrypoint, detach=True,
-                                      environment={"NIM_JSONL_LOGGING": "1"}, user=user)
+                                      environment={"NIM_JSONL_LOGGING": "1", **(env or {})}, user=user)
     try:
         code = container.wait(timeout=timeout)["StatusCode"]
         return code, container.logs().decode(), time.perf_counter() - start
@@ -98,9 +101,13 @@ def test_image_is_built_on_our_base_with_the_toolkits_settings_and_no_driver(cli
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     assert env["NVIDIA_REQUIRE_CUDA"] == f"cuda>={cuda}"
     assert client.images.get(FLAVORS["cuda"].base_image).id in {image.id, *_parents(client, image)}
+    # root reads every directory; the link-time stub (CUDA_DRIVER_STUB) holds no code and is checked apart
     code, out, _ = run(client, built.model.reference, "-c", "find / -xdev \\( -name 'libcuda.so*' -o -name "
-                       "'libnvidia-ml.so*' \\) -print", entrypoint="sh", user="0")  # root reads every directory
-    assert code == 0 and out.strip() == "", f"driver libraries in the image:\n{out}"
+                       "'libnvidia-ml.so*' \\) -print", entrypoint="sh", user="0")
+    stub = f"{VENV}/lib/python3.11/site-packages/{CUDA_DRIVER_STUB}"
+    assert code == 0 and out.split() == [stub], f"driver libraries in the image:\n{out}"
+    code, out, _ = run(client, built.model.reference, "-c", f"readelf -dW --dyn-syms {stub}", entrypoint="sh")
+    assert "Library soname: [libcuda.so.1]" in out and " cu" not in out, out  # a soname, no CUDA symbols
 
 
 def _parents(client, image) -> set[str]:
@@ -138,13 +145,29 @@ def test_torch_and_vllm_import_with_the_locked_cuda(client, built):
             "                  'available': torch.cuda.is_available(), 'triton_backends': sorted(triton.backends.backends),\n"
             "                  'soft': [HAS_TRITON, has_triton_package(), has_flashinfer(), ll_bf16.is_available(),\n"
             "                           has_cutedsl(), has_humming()]}))")
-    status, out, _ = run(client, built.model.reference, "-c", code, entrypoint="python")
+    # vLLM's HAS_TRITON also wants one active GPU driver, unless CUDA_VISIBLE_DEVICES is empty (as Ray
+    # leaves it while a worker starts): then it asks only that Triton and its backends import.
+    status, out, _ = run(client, built.model.reference, "-c", code, entrypoint="python", env={"CUDA_VISIBLE_DEVICES": ""})
     assert status == 0, out[-3000:]
     found = json.loads(out.strip().splitlines()[-1])
     assert found["cuda"] == ".".join(LOCK["nvidia-cuda-runtime"].split(".")[:2])
     assert found["torch"].split("+")[0] == LOCK["torch"] and found["vllm"] == LOCK["vllm"]
     assert found["available"] is False
     assert "nvidia" in found["triton_backends"] and found["soft"] == [True] * 6, found
+
+
+def test_flashinfer_compiles_vllms_sampler_for_h100_without_a_gpu(client, built):
+    """vLLM 0.32 samples with FlashInfer's kernels, which FlashInfer compiles on first use with the
+    image's nvcc and headers (CUDA_HOME): compiling them for H100 (sm_90a) needs no GPU. A compiler
+    of another CUDA release than the headers, or no libcudart.so to link, fails here."""
+    code = ("from flashinfer.jit.sampling import gen_sampling_module\n"
+            "spec = gen_sampling_module()\n"
+            "spec.build()\n"
+            "print(spec.get_library_path())")
+    status, out, seconds = run(client, built.model.reference, "-c", code, entrypoint="python", timeout=900,
+                               env={"FLASHINFER_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "2"})
+    assert status == 0, out[-4000:]
+    assert out.strip().splitlines()[-1].endswith(".so"), out[-2000:]
 
 
 def test_list_model_profiles_marks_every_gpu_profile_incompatible(client, built):

@@ -118,7 +118,8 @@ def test_cuda_flavor_renders_on_our_base_with_its_lock_and_the_toolkits_env(tiny
     lock = flavor.lock_path.read_text()
     assert "vllm==" in lock and "nvidia-cuda-runtime==13.0." in lock
     assert all(f"\n{name}==" not in lock for name in CUDA_LEFT_OUT), "left-out packages stay out of the lock"
-    assert "rm -rf" in dockerfile and "triton/backends/amd" in dockerfile
+    assert "rm -rf" in dockerfile and "triton/backends/nvidia/lib/cupti" in dockerfile
+    assert f"CUDA_HOME=\"{contract.VENV}/lib/python3.11/site-packages/nvidia/cu13\"" in dockerfile
     assert 'ENV NVIDIA_VISIBLE_DEVICES' not in runtime_dockerfile(FLAVORS["vllm-cpu"])
     custom = load_spec(write_spec(tmp_path, tiny_model_dir, **{"runtime.flavor": "cuda",
                                                                  "runtime.base_image": "registry.example/base:1"}))
