@@ -30,7 +30,7 @@ def cached_wheelhouse(flavor: Flavor) -> Path | None:
 def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
     """Download the lock's wheels once (pip verifies every hash); later calls return the cache."""
     if cached := cached_wheelhouse(flavor):
-        return cached
+        return _without_stale(cached, flavor)
     target = wheelhouse_dir(flavor)
     progress(f"downloading the {flavor.name} wheelhouse from its lock...")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,12 @@ def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    for stale in target.parent.glob(f"{flavor.name}-*"):  # earlier locks' wheels (the cuda flavor's: 3.3 GB)
-        if stale != target:
+    return _without_stale(target, flavor)
+
+
+def _without_stale(current: Path, flavor: Flavor) -> Path:
+    """Removes the flavor's wheelhouses of earlier locks (the cuda flavor's are 3.5 GB each)."""
+    for stale in current.parent.glob(f"{flavor.name}-*"):
+        if stale != current:
             shutil.rmtree(stale, ignore_errors=True)
-    return target
+    return current
