@@ -104,12 +104,10 @@ def _nvml_failure(exc: Exception) -> str:
 
 
 def _nvml_gpu(pynvml, index: int) -> tuple[Gpu, str]:
+    """nvidia-ml-py decodes NVML's strings to str (convertStrBytes)."""
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     name = pynvml.nvmlDeviceGetName(handle)
-    name = name.decode() if isinstance(name, bytes) else name
-    uuid = pynvml.nvmlDeviceGetUUID(handle)
-    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-    return Gpu(index, name, gpu_kind(name), pynvml.nvmlDeviceGetMemoryInfo(handle).total), uuid
+    return Gpu(index, name, gpu_kind(name), pynvml.nvmlDeviceGetMemoryInfo(handle).total), pynvml.nvmlDeviceGetUUID(handle)
 
 
 def visible_gpus(found: list[tuple[Gpu, str]], visible: str | None) -> list[Gpu]:

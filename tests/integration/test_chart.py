@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factory.chart.checks import MATRIX, check_chart, kubernetes_versions, policy_errors, render_objects
+from factory.chart.checks import MATRIX, check_chart, kubernetes_versions, pod_specs, policy_errors, render_objects
 from factory.chart.helm import ChartError, helm, lint
 from factory.chart.render import render_chart
 from factory.spec import load_spec
@@ -76,12 +76,6 @@ def test_rendered_pod_is_secure_with_probes_and_gpu_toleration(chart_dir):
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["NIM_CACHE_PATH"] == "/opt/nim/.cache" and env["NIM_JSONL_LOGGING"] == "1"
-
-
-def pod_specs(obj: dict) -> list[dict]:
-    spec = obj.get("spec", {})
-    templates = [spec.get("template")] + [spec.get("leaderWorkerTemplate", {}).get(k) for k in ("leaderTemplate", "workerTemplate")]
-    return [t["spec"] for t in templates if t]
 
 
 def test_gpu_toleration_is_rendered_once(chart_dir):

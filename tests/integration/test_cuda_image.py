@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from factory.image.context import site_packages
 from factory.image.flavors import CUDA_DRIVER_STUB, DRIVER_LIBRARIES, FLAVORS
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import Runner
@@ -104,7 +105,7 @@ def test_image_is_built_on_our_base_with_the_toolkits_settings_and_no_driver(cli
     # root reads every directory; the link-time stub (CUDA_DRIVER_STUB) holds no code and is checked apart
     code, out, _ = run(client, built.model.reference, "-c", "find / -xdev \\( -name 'libcuda.so*' -o -name "
                        "'libnvidia-ml.so*' \\) -print", entrypoint="sh", user="0")
-    stub = f"{VENV}/lib/python3.11/site-packages/{CUDA_DRIVER_STUB}"
+    stub = f"{site_packages(FLAVORS['cuda'])}/{CUDA_DRIVER_STUB}"
     assert code == 0 and out.split() == [stub], f"driver libraries in the image:\n{out}"
     code, out, _ = run(client, built.model.reference, "-c", f"readelf -dW --dyn-syms {stub}", entrypoint="sh")
     assert "Library soname: [libcuda.so.1]" in out and " cu" not in out, out  # a soname, no CUDA symbols
