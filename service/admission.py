@@ -10,9 +10,15 @@ Every inference request passes `enter()` before it runs and `leave()` once its l
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from service.engine.base import EngineError, RequestTooLargeError
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(EngineError):
@@ -60,3 +66,25 @@ class Admission:
 
     def leave(self) -> None:
         self.in_flight -= 1
+
+
+def drain_then_stop(server: Any, admission: Admission, grace_s: float, signal_name: str) -> None:
+    """SIGTERM (or SIGINT) to a uvicorn server, ours or vLLM's: readiness turns 503 and new requests are
+    refused while those in flight finish, for up to `grace_s`; then the server stops (exit 0). A
+    second signal stops it at once."""
+    if admission.draining:
+        server.should_exit = server.force_exit = True
+        return
+    admission.draining = True
+    log.info("received %s: draining for up to %ss", signal_name, grace_s)
+
+    def drain() -> None:
+        deadline = time.monotonic() + grace_s
+        while admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.info("drained; %d request(s) still in flight", admission.in_flight)
+        server.should_exit = True
+        if admission.in_flight:
+            server.force_exit = True  # uvicorn would otherwise wait for them without end
+
+    threading.Thread(target=drain, name="drain", daemon=True).start()

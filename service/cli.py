@@ -7,8 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 from service.logs import configure_logging
@@ -57,34 +55,25 @@ def main(argv: list[str] | None = None) -> int:
 def serve(settings: Settings) -> int:
     import uvicorn
 
+    from service.admission import drain_then_stop
     from service.app import build_app
-    from service.runtime import build_runtime
+    from service.runtime import build_runtime, select
 
     log.info("starting with settings %s", settings.public_dict())
-    runtime = build_runtime(settings)
+    selection = select(settings)
+    if selection.profile.tags.engine == "vllm":  # vLLM's own server, the contract added in its processes
+        from service.engine.vllm_server import serve as serve_with_vllm
+
+        return serve_with_vllm(settings, selection)
+    runtime = build_runtime(settings, selection)
     server: uvicorn.Server | None = None
 
     class DrainingServer(uvicorn.Server):
-        """SIGTERM: readiness turns 503 and new requests are refused while in-flight ones finish.
-
-        uvicorn's own handler would stop listening at once and re-raise the signal after shutdown
-        (exit -15); this one drains first and exits 0. A second signal exits at once.
-        """
+        """uvicorn's own handler would stop listening at once and re-raise the signal after shutdown
+        (exit -15); this one drains first and exits 0."""
 
         def handle_exit(self, sig: int, frame) -> None:
-            if runtime.admission.draining:
-                self.should_exit = self.force_exit = True
-                return
-            runtime.admission.draining = True
-            log.info("received %s: draining for up to %ss", signal.Signals(sig).name, settings.shutdown_grace_seconds)
-            threading.Thread(target=self._drain, name="drain", daemon=True).start()
-
-        def _drain(self) -> None:
-            deadline = time.monotonic() + settings.shutdown_grace_seconds
-            while runtime.admission.in_flight and time.monotonic() < deadline:
-                time.sleep(0.05)
-            log.info("drained; %d request(s) still in flight", runtime.admission.in_flight)
-            self.should_exit = True
+            drain_then_stop(self, runtime.admission, settings.shutdown_grace_seconds, signal.Signals(sig).name)
 
     def on_fatal(reason: str) -> None:
         if server:

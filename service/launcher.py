@@ -23,14 +23,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_ready(url: str, exited: Callable[[], str | None], timeout: float) -> str | None:
-    """Poll `url`/v1/health/ready: None once it answers 200, else why not (exited, or time ran out)."""
+def wait_until_ready(url: str, exited: Callable[[], str | None], timeout: float,
+                     path: str = "/v1/health/ready") -> str | None:
+    """Poll `url` + `path`: None once it answers 200, else why not (exited, or time ran out)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if reason := exited():
             return reason
         try:
-            if httpx.get(f"{url}/v1/health/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return None
         except httpx.TransportError:
             pass

@@ -2,13 +2,17 @@
 
 Gauges are read from the engine at scrape time, so they are never stale; counters and histograms
 are recorded when a request ends, from the same numbers that went into the client's `usage`.
+
+Behind vLLM's server (`shared=True`) the counters and histograms live in prometheus_client's default
+registry, which vLLM's /metrics exports: with several API server processes that is its multiprocess
+collector, so each process counts what it served and the scrape sums them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -59,11 +63,13 @@ class _EngineStats(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], EngineStats],
+                 shared: bool = False) -> None:
+        self.gauges = CollectorRegistry(auto_describe=True)
+        self.gauges.register(_EngineStats(model_name, stats))
+        self.registry = REGISTRY if shared else self.gauges
         self.model_name = model_name
         labels, reg, name = ["model_name"], self.registry, model_name
-        self.registry.register(_EngineStats(model_name, stats))
         # Children are bound to the model name now, so every series is exported from the start.
         self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg).labels(name)
         self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels,
@@ -105,4 +111,5 @@ class ServiceMetrics:
         self.generation_hist.observe(generation_tokens)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The gauges, and the counters and histograms unless the engine's exposition has them."""
+        return generate_latest(self.gauges)

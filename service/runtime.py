@@ -11,7 +11,7 @@ from pathlib import Path
 from service import __version__
 from service.admission import Admission
 from service.api.serving import OpenAIServing
-from service.engine.base import Engine, EngineBase
+from service.engine.base import Engine, EngineBase, PassthroughEngine
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
 from service.model_store import resolve_model
@@ -59,10 +59,11 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
-    serving: OpenAIServing | None = field(init=False)  # None: an engine process serves, proxied
+    serving: OpenAIServing | None = field(init=False)  # None: the engine's own app serves inference
 
     def __post_init__(self) -> None:
-        self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats)
+        self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats,
+                                      shared=isinstance(self.engine, PassthroughEngine))
         self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
                                       self.admission)
                         if isinstance(self.engine, Engine) else None)
@@ -96,8 +97,21 @@ class Runtime:
         return {"release": __version__, "api": API_VERSION}
 
 
-def build_runtime(settings: Settings) -> Runtime:
-    """Everything short of loading weights: fails fast on a bad manifest, profile or source."""
+@dataclass(frozen=True)
+class Selection:
+    """What start-up resolved: the manifest, the hardware, the profile chosen for it, the weights."""
+
+    manifest: Manifest
+    hardware: Hardware
+    profile: Profile
+    model_dir: Path
+
+    def served_name(self, settings: Settings) -> str:
+        return settings.served_model_name or self.manifest.model.name
+
+
+def select(settings: Settings) -> Selection:
+    """Fails fast on a bad manifest, profile or source; places the weights in the cache."""
     manifest, base_dir = load_model_manifest(settings)
     hardware = detect_hardware()
     profile = select_profile(manifest, hardware, available_engines(), settings.model_profile,
@@ -106,12 +120,18 @@ def build_runtime(settings: Settings) -> Runtime:
     source = settings.model_path or manifest.model.source
     model_dir = resolve_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir,
                               name=manifest.model.name, allow_download=not settings.disable_model_download)
-    served_name = settings.served_model_name or manifest.model.name
-    engine = make_engine(settings, profile, model_dir, served_name)
+    return Selection(manifest, hardware, profile, model_dir)
+
+
+def build_runtime(settings: Settings, selection: Selection | None = None) -> Runtime:
+    """Everything short of loading weights."""
+    chosen = selection or select(settings)
+    profile, served_name = chosen.profile, chosen.served_name(settings)
+    engine = make_engine(settings, profile, chosen.model_dir, served_name)
     max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
     per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
-    return Runtime(settings=settings, manifest=manifest, profile=profile, hardware=hardware, model_dir=model_dir,
-                   engine=engine, served_model_name=served_name,
+    return Runtime(settings=settings, manifest=chosen.manifest, profile=profile, hardware=chosen.hardware,
+                   model_dir=chosen.model_dir, engine=engine, served_model_name=served_name,
                    admission=Admission(engine.max_num_seqs, max_queue, per_request))
 
 
@@ -126,15 +146,15 @@ def model_context_length(model_dir: Path) -> int | None:
 def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_name: str) -> EngineBase:
     tags = profile.tags
     if tags.engine == "vllm":
-        from service.engine.vllm_process import VllmEngine
-        from service.launcher import free_port
+        from service.engine.vllm_server import VllmServer, vllm_arguments
 
         max_model_len = engine_setting(settings, profile, "max_model_len", None) or model_context_length(model_dir)
         if max_model_len is None:
             raise ValueError(f"{model_dir}/config.json names no max_position_embeddings: set NIM_MAX_MODEL_LEN")
-        return VllmEngine(model_dir, served_name, profile, settings, max_model_len=max_model_len,
-                          max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
-                          port=free_port())
+        max_num_seqs = engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
+        arguments = vllm_arguments(model_dir, served_name, profile, settings, max_model_len, max_num_seqs, max_queue)
+        return VllmServer(arguments, served_name, max_model_len, max_num_seqs)
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
     from service.engine.torch_engine import TorchEngine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from factory.errors import CheckFailed
@@ -36,14 +37,6 @@ class RunningModel:
         self.container.reload()
         return f"http://{self.container.attrs['NetworkSettings']['IPAddress']}:{port}"
 
-    def engine_url(self) -> str:
-        """vLLM's own server inside the container, from the command line the runtime logs when it starts
-        it; reachable where NIM_PASSTHROUGH_ARGS gave it `--host 0.0.0.0` (a second door, for comparisons)."""
-        import re
-
-        logs = self.container.logs().decode(errors="replace")  # all of it: the line comes early
-        return self.bridge_url(int(re.findall(r"starting vLLM: .*?--port (\d+)", logs)[-1]))
-
     def stop(self) -> None:
         try:
             self.container.stop(timeout=10)
@@ -55,28 +48,58 @@ def start_model(client, reference: str, env: dict[str, str] | None = None, timeo
                 volumes: dict | None = None, pod: dict | None = None) -> RunningModel:
     """Start `reference` with the pod's settings (`pod`: `docker run` options, POD_LIKE by default)
     on a free loopback port and wait for readiness; `env` and `volumes` add to the pod's."""
+    return _start(client, reference, env, timeout, volumes, pod, "/v1/health/ready")
+
+
+def start_vllms_own_server(client, reference: str, env: dict[str, str] | None = None, timeout: float = 600,
+                           volumes: dict | None = None) -> RunningModel:
+    """vLLM's own OpenAI server in a vLLM model image, started as vLLM documents it, with the very
+    arguments the runtime would give it (`serve --dry-run`) less the contract's middleware: the
+    peer the harness and the benchmarks compare the runtime with. Ready when vLLM's /health is."""
+    return _start(client, reference, env, timeout, volumes, None, "/health",
+                  entrypoint=["python", "-m", "vllm.entrypoints.openai.api_server",
+                              *vllm_arguments(client, reference, env, volumes)])
+
+
+def vllm_arguments(client, reference: str, env: dict[str, str] | None = None, volumes: dict | None = None) -> list[str]:
+    """The vLLM arguments the runtime in `reference` resolves (its `serve --dry-run`), less its middleware."""
+    options = dict(POD_LIKE)
+    out = client.containers.run(reference, ["--dry-run"], remove=True, environment=env or {},
+                                volumes={**options.pop("volumes", {}), **(volumes or {})}, **options).decode()
+    line = next((line for line in out.splitlines() if line.startswith("engine: vllm serve ")), None)
+    if line is None:
+        raise CheckFailed(f"{reference} serves no vLLM profile here: {out.strip()}")
+    args = shlex.split(line.removeprefix("engine: vllm serve "))
+    while "--middleware" in args:
+        at = args.index("--middleware")
+        del args[at:at + 2]
+    return args
+
+
+def _start(client, reference: str, env: dict[str, str] | None, timeout: float, volumes: dict | None,
+           pod: dict | None, ready_path: str, **run: object) -> RunningModel:
     options = dict(pod or POD_LIKE)
     environment = {"NIM_LOG_LEVEL": "INFO", **options.pop("environment", {}), **(env or {})}
     mounts = {**options.pop("volumes", {}), **(volumes or {})}
     container = client.containers.run(reference, detach=True, environment=environment,
-                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, volumes=mounts, **options)
+                                      ports={f"{PORT}/tcp": ("127.0.0.1", None)}, volumes=mounts, **options, **run)
     container.reload()
     host_port = container.attrs["NetworkSettings"]["Ports"][f"{PORT}/tcp"][0]["HostPort"]
     running = RunningModel(container, f"http://127.0.0.1:{host_port}")
     try:
-        wait_ready(running, timeout)
+        wait_ready(running, timeout, ready_path)
     except ContainerError:
         running.stop()
         raise
     return running
 
 
-def wait_ready(running: RunningModel, timeout: float) -> None:
+def wait_ready(running: RunningModel, timeout: float, path: str = "/v1/health/ready") -> None:
     def exited() -> str | None:
         running.container.reload()
         if running.container.status in ("exited", "dead"):
             return f"the container exited ({running.container.attrs['State'].get('ExitCode')})"
         return None
 
-    if reason := wait_until_ready(running.url, exited, timeout):
+    if reason := wait_until_ready(running.url, exited, timeout, path):
         raise ContainerError(f"{reason}:\n{running.logs()}")

@@ -30,7 +30,7 @@ def _streamed(model: type, chunk: type) -> dict:
 STREAMED = {"/v1/chat/completions": _streamed(ChatCompletionResponse, ChatCompletionChunk),
             "/v1/completions": _streamed(CompletionResponse, CompletionResponse)}
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
-# Models the document names by reference without a route of ours declaring them (the proxy's
+# Models the document names by reference without a route of ours declaring them (the passthrough's
 # routes read raw bodies; chunks are inside the event streams).
 REFERENCED = (ChatCompletionRequest, CompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
               CompletionResponse, ErrorResponse)

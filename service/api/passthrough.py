@@ -1,0 +1,252 @@
+"""Inference routes served by an engine's own OpenAI app in this process (vLLM's), observed on the way.
+
+The contract keeps what it promises around them (auth, request ids, body limit, 503 while loading or
+draining, metrics with NIM's names that equal the usage clients received); the engine validates
+parameters, bounds its queue and serves its extra features (tools, response_format, embeddings,
+/tokenize, /v1/responses). The engine's app reads the client's disconnect itself and aborts.
+
+On the token path this costs one wrapped `send` per event: a regular expression marks the events
+that carry output (for TTFT and the gaps between tokens) and only events that may end a request
+(a finish reason, usage, a /v1/responses end) are parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+
+from service.api.context import runtime
+from service.api.errors import ServingError
+from service.api.openapi import REQUESTS, STREAMED, request_body
+from service.engine.base import PassthroughEngine
+
+# Routes the engine serves; those marked True generate tokens (metrics).
+PASSED = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/responses": True,
+          "/v1/embeddings": False, "/tokenize": False, "/detokenize": False, "/v1/score": False,
+          "/v1/rerank": False, "/pooling": False, "/classify": False}
+RETRY = {"Retry-After": "1"}
+GONE = (ClientDisconnect, asyncio.CancelledError, OSError)  # how a client's leaving reaches the app
+RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": "error"}
+# An event with output: text, content, reasoning or a /v1/responses delta that is not empty, or tool calls.
+OUTPUT = re.compile(rb'"(?:text|content|reasoning_content|reasoning|delta)":"[^"]|"tool_calls":\[\{')
+# An event that may end a request or carry its usage: parsed.
+MAY_END = re.compile(rb'"finish_reason":"|"usage":\{|"type":"response\.(?:completed|incomplete|failed)"')
+
+
+@dataclass
+class Observed:
+    """What the runtime's metrics need of one generation."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    usage: dict | None = None
+    finish: str | None = None
+
+    def output(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def ending(self, event: dict) -> None:
+        if event.get("type") in RESPONSE_ENDS:  # /v1/responses: the final event carries the usage
+            self.usage = _counts((event.get("response") or {}).get("usage"))
+            self.finish = RESPONSE_ENDS[event["type"]]
+        for choice in event.get("choices") or []:
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        if event.get("usage"):
+            self.usage = _counts(event["usage"])
+
+    def record(self, metrics, failure: str | None = None) -> None:
+        usage = self.usage or {}
+        reason = failure or self.finish or "stop"
+        if failure is None and not usage:
+            return  # nothing was generated (an engine 4xx): as the in-process path, not counted
+        metrics.record(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                       generation_tokens=int(usage.get("completion_tokens") or 0),
+                       finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
+                       ttft=None if self.first is None else self.first - self.start, token_gaps=self.gaps,
+                       e2e=time.perf_counter() - self.start)
+
+
+def _counts(usage: dict | None) -> dict | None:
+    """Usage in chat/completions terms; /v1/responses names its counts input/output_tokens."""
+    if not usage or "input_tokens" not in usage:
+        return usage
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+
+
+def attach_passthrough(router: APIRouter) -> None:
+    """The engine's routes; chat and completions documented with the bodies and answers of the
+    contract (the engine takes more: its own features pass through)."""
+    for path in PASSED:
+        documented = {"openapi_extra": request_body(path), "responses": STREAMED[path]} if path in REQUESTS else {}
+        router.add_api_route(path, forward, methods=["POST"], include_in_schema=True,
+                             summary=f"{path}, served by the engine", **documented)
+
+
+async def forward(request: Request) -> Response:
+    rt = runtime(request)
+    if not rt.ready:
+        raise ServingError(503, rt.not_ready_reason(), headers=RETRY)
+    generates = PASSED[request.url.path]
+    body, keep_usage = _asking_for_usage(await request.body(), generates and request.url.path != "/v1/responses")
+    rt.admission.enter(bounded=False)  # counted for the drain; the engine bounds its own queue
+    return Passthrough(rt, body, generates, keep_usage)
+
+
+def _asking_for_usage(body: bytes, rewrite: bool) -> tuple[bytes, bool]:
+    """A stream of chat or completions always asks the engine for its usage (the metrics count it);
+    whether the client asked too, so the usage-only event can be dropped when it did not."""
+    if not rewrite or b'"stream"' not in body:
+        return body, True
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body, True  # the engine answers malformed JSON
+    if not isinstance(payload, dict) or payload.get("stream") is not True:
+        return body, True
+    options = payload.get("stream_options")
+    asked = isinstance(options, dict) and bool(options.get("include_usage"))
+    if not asked:
+        payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        body = json.dumps(payload).encode()
+    return body, asked
+
+
+class Passthrough(Response):
+    """The engine's own answer to the request, sent on as it is made; observed for the metrics, its
+    errors in the OpenAI shape, its 503s with Retry-After."""
+
+    def __init__(self, rt, body: bytes, generates: bool, keep_usage: bool) -> None:
+        self.rt, self.body, self.generates, self.keep_usage = rt, body, generates, keep_usage
+        self.observed = Observed()
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        engine: PassthroughEngine = self.rt.engine
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"x-request-id")]
+        headers += [(b"content-length", str(len(self.body)).encode()),
+                    (b"x-request-id", scope["state"]["request_id"].encode())]
+        inner = {**scope, "app": engine.root_app, "headers": headers}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            return await receive()  # the client's disconnect reaches the engine, which aborts
+
+        self.sending, self.status, self.held, self.settled = None, 200, [], False
+        failure = "abort"  # the engine's app returned without a last event: its client went away
+        try:
+            await engine.app(inner, replay, lambda message: self._send(send, message))
+        except BaseException as exc:
+            failure = "abort" if isinstance(exc, GONE) else "error"
+            raise
+        finally:
+            self._settle(failure)  # nothing when the answer was sent whole
+
+    def _settle(self, failure: str | None) -> None:
+        """The request is over for the metrics and the drain: once, before its last byte is sent."""
+        if not self.settled:
+            self.settled = True
+            self.rt.admission.leave()
+            if self.generates and (failure or self.status < 400 or self.status >= 500):
+                self.observed.record(self.rt.metrics, failure or ("error" if self.status >= 500 else None))
+
+    async def _send(self, send, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            media = dict(message.get("headers", [])).get(b"content-type", b"")
+            self.sending = "error" if self.status >= 400 else "events" if media.startswith(b"text/event-stream") \
+                else "whole"
+            if self.sending == "events":
+                return await send(message)
+            self.held = [message]
+            return
+        if message["type"] != "http.response.body":
+            return await send(message)
+        last = not message.get("more_body", False)
+        if self.sending == "events":
+            message["body"] = self._events(message.get("body", b""))
+            if last:
+                self._settle(None)
+                self.sending = "done"
+            return await send(message)
+        self.held.append(message)
+        if last:
+            await self._send_whole(send)
+
+    def _events(self, data: bytes) -> bytes:
+        """SSE events as the engine wrote them (whole events per message), observed; the usage-only
+        event the runtime asked for is dropped when the client did not ask for it."""
+        if not self.generates:
+            return data
+        now, out = time.perf_counter(), []
+        for raw in data.split(b"\n\n"):
+            if not raw:
+                continue
+            if OUTPUT.search(raw):
+                self.observed.output(now)
+            if MAY_END.search(raw):
+                event = _json(_data(raw)) or {}
+                self.observed.ending(event)
+                if not self.keep_usage and event.get("usage") and not event.get("choices"):
+                    continue
+            out.append(raw + b"\n\n")
+        return b"".join(out)
+
+    async def _send_whole(self, send) -> None:
+        """A whole answer (JSON, or an error): observed, errors rewritten, then sent."""
+        start, *parts = self.held
+        content = b"".join(part.get("body", b"") for part in parts)
+        headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+        if self.sending == "error":
+            content = openai_error(self.status, content)
+            headers = [(k, v) for k, v in headers if k != b"content-type"] + [(b"content-type", b"application/json")]
+            if self.status == 503:
+                headers.append((b"retry-after", RETRY["Retry-After"].encode()))
+        elif self.generates:
+            reply = _json(content) or {}
+            self.observed.usage = _counts(reply.get("usage"))
+            self.observed.finish = next((c.get("finish_reason") for c in reply.get("choices") or []), None)
+        self._settle(None)
+        self.sending = "done"
+        await send({**start, "headers": headers + [(b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+def _data(raw: bytes) -> bytes:
+    """The JSON of an event's `data:` line (an event may name its type on an `event:` line first)."""
+    return next((line[6:] for line in raw.split(b"\n") if line.startswith(b"data: {")), b"")
+
+
+def openai_error(status: int, content: bytes) -> bytes:
+    """The engine's error body in the OpenAI shape the contract promises: passed on as it is when
+    it has that shape already; else (FastAPI's `{"detail": ...}`, plain text) its message wrapped."""
+    body = _json(content)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return content
+    detail = body.get("detail") if isinstance(body, dict) else None
+    message = detail if isinstance(detail, str) else json.dumps(detail) if detail else content.decode(errors="replace")
+    return ServingError(status, message.strip()[:2000] or f"HTTP {status} from the engine").body().model_dump_json().encode()
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None

@@ -1,0 +1,288 @@
+"""vLLM's own OpenAI server, run in this process, with the NIM contract added in every API server.
+
+There is no second server on the token path: `python -m service serve` resolves the profile and
+the NIM_* settings into vLLM's arguments, then hands over to vLLM's `serve` command in-process.
+vLLM builds its FastAPI app in each API server process it runs (`--api-server-count`), and its
+`--middleware` option adds `service.vllm_contract.NimContract` to each: management routes, auth,
+request ids, the body limit, metrics with NIM's names and the drain, in front of vLLM's routes.
+
+Why `--middleware` (rather than vLLM's endpoint plugins or building its app ourselves): it has been
+in vLLM's server since 0.4, is applied by vLLM in every API server process, and wraps every route,
+vLLM's own included; endpoint plugins (new in 0.2x) add routes but cannot guard vLLM's, and building
+the app ourselves would copy vLLM's start-up, which changes between releases.
+
+The engine's side here (`VllmServer`) is what the contract needs of vLLM from inside its process:
+ready once vLLM's health check and a one-token warm-up pass, dead once its engine has failed, and
+its own metrics, all through the app vLLM built, in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import shlex
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.engine.base import EngineError, EngineStats, PassthroughEngine
+from service.manifest import Profile
+from service.settings import SECRET_ENV, Settings
+
+if TYPE_CHECKING:
+    from service.runtime import Selection
+
+log = logging.getLogger("service.engine.vllm")
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+QUANTIZATION = {"fp8": "fp8"}  # int8 / int4 checkpoints carry their own quantization config
+# engine_args the runtime itself consumes rather than passing to vLLM
+RUNTIME_ARGS = frozenset({"max_queue", "max_seqs_per_request", "cpu_threads", "kv_cache_tokens"})
+MIDDLEWARE = "service.vllm_contract.NimContract"
+RUNTIME_FILE_ENV = "INFERKILN_RUNTIME_FILE"  # where each API server process reads what the launcher resolved
+WATCH_S = 0.5
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings: Settings,
+                   max_model_len: int, max_num_seqs: int, max_queue: int) -> list[str]:
+    """vLLM's arguments: profile, then NIM_* settings, then NIM_PASSTHROUGH_ARGS (last wins).
+
+    The queue bound is vLLM's own (`--max-num-queued-reqs`, a 503 counted across its API servers),
+    the drain after SIGTERM ours: `--shutdown-timeout` lets vLLM wait that long for its API servers.
+    vLLM's access log is off: the contract logs one line per request, with its id."""
+    tags = profile.tags
+    args: dict[str, Any] = {"model": str(model_dir), "served_model_name": served_name, "host": settings.host,
+                            "port": settings.server_port, "tensor_parallel_size": tags.tp,
+                            "pipeline_parallel_size": tags.pp}
+    if tags.precision in DTYPES:
+        args["dtype"] = DTYPES[tags.precision]
+    if tags.precision in QUANTIZATION:
+        args["quantization"] = QUANTIZATION[tags.precision]
+    args.update({k: v for k, v in profile.engine_args.items() if k not in RUNTIME_ARGS})
+    args.update(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_queued_reqs=max_num_seqs + max_queue,
+                shutdown_timeout=math.ceil(settings.shutdown_grace_seconds), disable_uvicorn_access_log=True)
+    if settings.tensor_parallel_size:
+        args["tensor_parallel_size"] = settings.tensor_parallel_size
+    args["enable_prefix_caching"] = settings.enable_kv_cache_reuse
+    out: list[str] = []
+    for name, value in args.items():
+        if value is True:
+            out.append(_flag(name))
+        elif value is False:
+            out.append("--no-" + name.replace("_", "-"))
+        elif value is not None:
+            out += [_flag(name), json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return out + ["--middleware", MIDDLEWARE] + shlex.split(settings.passthrough_args)
+
+
+class VllmServer(PassthroughEngine):
+    """vLLM in this process, seen from the contract's side of its app."""
+
+    def __init__(self, arguments: list[str], served_name: str, max_model_len: int, max_num_seqs: int) -> None:
+        self.arguments, self.served_name = arguments, served_name
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.app: Any = None  # vLLM's ASGI stack below the contract, set by `attach`
+        self.root_app: Any = None  # vLLM's FastAPI app (its state holds the engine client)
+        self._ready = False
+        self._stats = EngineStats(0, 0, max_num_seqs, 0.0)
+        self._watch: asyncio.Task | None = None
+
+    def describe(self) -> str:
+        return "vllm serve " + shlex.join(self.arguments)
+
+    def attach(self, app: Any, root_app: Any) -> None:
+        self.app, self.root_app = app, root_app
+
+    @property
+    def _client(self):
+        return self.root_app.state.engine_client
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._client.errored
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def start(self) -> None:
+        """Ready once vLLM's own health check passes and one token went through its completions
+        route, so that a model vLLM cannot run fails at start-up, not at the first client's request."""
+        try:
+            await self._client.check_health()
+        except Exception as exc:
+            raise EngineError(f"vLLM failed its health check: {exc}") from None
+        body = {"model": self.served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        status, text = await call(self.app, self.root_app, "POST", "/v1/completions", json.dumps(body).encode())
+        if status != 200 or self._client.errored:
+            raise EngineError(f"vLLM cannot run this model: warm-up answered {status} {text[:300]!r}")
+        self._ready = True
+        self._watch = asyncio.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        while not self._client.errored:
+            await asyncio.sleep(WATCH_S)
+        self._ready = False
+        if self.on_death:
+            self.on_death("vLLM's engine died")
+
+    async def scrape(self) -> bytes:
+        """vLLM's exposition as its /metrics serves it (every API server's share, where there are
+        several), and the gauges it reports under the contract's names."""
+        if self.app is None:
+            return b""
+        status, text = await call(self.app, self.root_app, "GET", "/metrics", b"")
+        if status == 200:
+            self._stats = gauges_from_vllm(text.decode(), self.max_num_seqs, self._stats)
+        return text if status == 200 else b""
+
+    async def shutdown(self) -> None:
+        """vLLM stops its engine itself when its server stops."""
+        self._ready = False
+        if self._watch:
+            self._watch.cancel()
+
+
+async def call(app, root_app, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """One request through an ASGI app in this process: its status and body."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0), "app": root_app, "state": {}}
+    sent = False
+    answer: dict[str, Any] = {"status": 500, "body": b""}
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # never disconnects
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return answer["status"], answer["body"]
+
+
+def gauges_from_vllm(text: str, max_num_seqs: int, previous: EngineStats) -> EngineStats:
+    """running, waiting, KV-cache fill and prefix-cache counters from vLLM's exposition (names of vLLM V1
+    and before)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", previous.kv_cache_usage))
+    return EngineStats(running=int(values.get("vllm:num_requests_running", previous.running)),
+                       waiting=int(values.get("vllm:num_requests_waiting", previous.waiting)),
+                       max_num_seqs=max_num_seqs, kv_cache_usage=float(kv),
+                       prefix_cache_queries=int(values.get("vllm:prefix_cache_queries_total", previous.prefix_cache_queries)),
+                       prefix_cache_hits=int(values.get("vllm:prefix_cache_hits_total", previous.prefix_cache_hits)))
+
+
+# -- the hand-over: this process becomes vLLM's server ------------------------------------------
+def serve(settings: Settings, selection: Selection) -> int:
+    """Run vLLM's `serve` in this process; 1 if it failed or its engine died, else 0 (a drained stop).
+
+    What the launcher resolved reaches every API server process through a file (0600, in a private
+    directory) named in the environment; the runtime's secrets leave the environment, so vLLM's
+    engine processes never hold them."""
+    from service import vllm_contract
+    from service.runtime import make_engine
+
+    engine = make_engine(settings, selection.profile, selection.model_dir, selection.served_name(settings))
+    private = Path(tempfile.mkdtemp(prefix="inferkiln-"))
+    state = private / "runtime.json"
+    state.touch(mode=0o600)
+    state.write_text(json.dumps({"settings": settings.model_dump(), "profile_id": selection.profile.id,
+                                 "model_dir": str(selection.model_dir)}))
+    os.environ[RUNTIME_FILE_ENV] = str(state)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
+    _adopt_orphans()
+    log.info("serving with vLLM: %s", engine.describe())
+    try:
+        run_vllm_serve(engine.arguments)
+    except Exception as exc:  # vLLM could not start (weights, memory), or a process of its died
+        log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
+        return _failed()
+    if vllm_contract.failure:
+        log.error("exiting non-zero: %s", vllm_contract.failure)
+        return _failed()
+    return 0
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of vLLM's processes: a worker whose engine process was killed is then
+    re-parented to this process rather than to init, and `_failed` can stop it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+    except OSError:
+        pass
+
+
+def _failed() -> int:
+    """After a failure vLLM may not have stopped its processes (a killed engine leaves its workers):
+    none may outlive the runtime."""
+    import psutil  # a dependency of vLLM's
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return 1
+
+
+def run_vllm_serve(arguments: list[str]) -> None:
+    """`vllm serve ARGS`, as vLLM's CLI runs it (one API server, several, or data-parallel), without
+    the `vllm` script: it asks for a distribution named `vllm`, which the CPU build is not."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    command = ServeSubcommand()
+    parser = FlexibleArgumentParser(prog="vllm")
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(["serve", *arguments])
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
+
+
+def write_logging_config(directory: Path, settings: Settings) -> Path:
+    """A logging config for vLLM's processes (`VLLM_LOGGING_CONFIG_PATH`, read by each of them, and by
+    its uvicorn): the runtime's format, JSON lines with NIM_JSONL_LOGGING, the request id on each."""
+    formatter = "service.logs.JsonFormatter" if settings.jsonl_logging else "service.logs.TextFormatter"
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"nim": {"()": formatter}},
+        "filters": {"request_id": {"()": "service.logs.RequestIdFilter"}},
+        "handlers": {"nim": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "nim",
+                             "filters": ["request_id"]}},
+        "root": {"handlers": ["nim"], "level": settings.log_level},
+        "loggers": {name: {"handlers": [], "propagate": True, "level": settings.log_level}
+                    for name in ("vllm", "uvicorn", "uvicorn.error", "service")}
+                   | {"uvicorn.access": {"handlers": [], "propagate": False, "level": "WARNING"}},
+    }
+    path = directory / "logging.json"
+    path.write_text(json.dumps(config))
+    return path

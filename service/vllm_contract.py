@@ -1,0 +1,83 @@
+"""The NIM contract inside each of vLLM's API server processes (vLLM's `--middleware` option).
+
+vLLM adds `NimContract` around its app in every API server process it runs. Requests reach the
+contract's own FastAPI app (service/app.py: management routes, auth, request ids, body limit, error
+shapes, OpenAPI document), whose inference routes hand the request to vLLM's app below, in-process
+(service/api/passthrough.py). On vLLM's lifespan start the contract starts its own: the warm-up
+that readiness waits for, the engine watch, and a SIGTERM handler that drains before vLLM stops.
+
+What the launcher resolved (settings, profile, weights) comes from the file it names in
+INFERKILN_RUNTIME_FILE; an API server process started by vLLM holds no other state of the launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+from service.admission import drain_then_stop
+from service.app import build_app
+from service.engine.vllm_server import RUNTIME_FILE_ENV, VllmServer
+from service.profiles import detect_hardware
+from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+failure: str | None = None  # why this process's engine failed; the launcher then exits non-zero
+
+
+def runtime_from_file(path: Path) -> Runtime:
+    state = json.loads(path.read_text())
+    settings = Settings(**state["settings"])
+    manifest, _ = load_model_manifest(settings)
+    profile = next(p for p in manifest.profiles if p.id == state["profile_id"])
+    return build_runtime(settings, Selection(manifest, detect_hardware(), profile, Path(state["model_dir"])))
+
+
+class NimContract:
+    """Pure ASGI: HTTP goes to the contract's app; vLLM's lifespan starts and stops the contract's."""
+
+    def __init__(self, app) -> None:
+        self.app = app  # vLLM's ASGI stack below this middleware
+        self.runtime = runtime_from_file(Path(os.environ[RUNTIME_FILE_ENV]))
+        assert isinstance(self.runtime.engine, VllmServer), "the runtime file names a vLLM profile"
+        self.contract = build_app(self.runtime, on_fatal=self._fatal)
+        self.server = None
+        self._lifespan = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(scope, send))
+        await self.contract(scope, receive, send)
+
+    def _lifespan_send(self, scope, send):
+        async def sending(message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                await self._start(scope["app"])
+            elif message["type"] == "lifespan.shutdown.complete" and self._lifespan is not None:
+                await self._lifespan.__aexit__(None, None, None)
+            await send(message)
+
+        return sending
+
+    async def _start(self, vllm_app) -> None:
+        """vLLM's app is built and its state set: attach the engine, take over SIGTERM from vLLM's
+        handler (which would abort in-flight requests), and start the contract's lifespan."""
+        self.runtime.engine.attach(self.app, vllm_app)
+        self.server = vllm_app.state.server
+        loop, grace = asyncio.get_running_loop(), self.runtime.settings.shutdown_grace_seconds
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, drain_then_stop, self.server, self.runtime.admission, grace, sig.name)
+        self._lifespan = self.contract.router.lifespan_context(self.contract)
+        await self._lifespan.__aenter__()
+
+    def _fatal(self, reason: str) -> None:
+        global failure
+        failure = reason
+        if self.server is not None:
+            self.server.should_exit = True

@@ -1,0 +1,232 @@
+"""vLLM's command line, the metrics the contract reads back from it, and the passthrough's observing
+of what vLLM's app sends (no vLLM needed: tests/integration/test_vllm_backend.py runs the real one)."""
+
+import asyncio
+import json
+import logging
+import logging.config
+from pathlib import Path
+from types import SimpleNamespace
+
+
+from service.admission import Admission
+from service.api.passthrough import Passthrough, _asking_for_usage, openai_error
+from service.engine.base import EngineStats
+from service.engine.vllm_server import MIDDLEWARE, gauges_from_vllm, vllm_arguments, write_logging_config
+from service.logs import request_id_var
+from service.manifest import Profile, ProfileTags
+from service.metrics import ServiceMetrics
+from service.settings import load_settings
+
+
+def arguments(env: dict[str, str] | None = None, **profile_kwargs) -> list[str]:
+    tags = {"engine": "vllm", "precision": "bf16", "tp": 2, "gpu": "h100", **profile_kwargs.pop("tags", {})}
+    profile = Profile(tags=ProfileTags(**tags), **profile_kwargs)
+    return vllm_arguments(Path("/models/m"), "m", profile, load_settings({}, env or {}),
+                          max_model_len=4096, max_num_seqs=16, max_queue=100)
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The last value given for --name (vLLM's argparse keeps the last)."""
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    return values[-1] if values else None
+
+
+def test_profile_tags_become_vllm_flags():
+    args = arguments(engine_args={"enforce_eager": True, "max_queue": 9, "kv_cache_dtype": "fp8"})
+    assert flag(args, "--model") == "/models/m" and flag(args, "--served-model-name") == "m"
+    assert (flag(args, "--host"), flag(args, "--port")) == ("0.0.0.0", "8000")  # vLLM serves the clients
+    assert flag(args, "--tensor-parallel-size") == "2" and flag(args, "--dtype") == "bfloat16"
+    assert "--enforce-eager" in args and flag(args, "--kv-cache-dtype") == "fp8"
+    assert "--max-queue" not in args  # the runtime's own bound, not vLLM's
+    assert (flag(args, "--max-model-len"), flag(args, "--max-num-seqs")) == ("4096", "16")
+    assert "--enable-prefix-caching" in args
+    assert flag(args, "--max-num-queued-reqs") == "116", "NIM_MAX_QUEUE waiting beyond max_num_seqs running"
+    assert flag(args, "--middleware") == MIDDLEWARE and "--disable-uvicorn-access-log" in args
+    assert flag(args, "--shutdown-timeout") == "30"
+
+
+def test_nim_settings_reach_vllms_server_arguments():
+    args = arguments({"NIM_SERVER_PORT": "9000", "NIM_SERVER_HOST": "127.0.0.1", "NIM_SHUTDOWN_GRACE_SECONDS": "2.5"})
+    assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--shutdown-timeout")) == ("127.0.0.1", "9000", "3")
+
+
+def test_fp8_profiles_quantize_and_structured_args_are_json():
+    args = arguments(tags={"precision": "fp8"}, engine_args={"compilation_config": {"level": 0}})
+    assert flag(args, "--quantization") == "fp8" and flag(args, "--dtype") is None
+    assert flag(args, "--compilation-config") == '{"level": 0}'
+
+
+def test_settings_override_the_profile_and_passthrough_overrides_both():
+    args = arguments({"NIM_TENSOR_PARALLEL_SIZE": "4", "NIM_ENABLE_KV_CACHE_REUSE": "0",
+                      "NIM_PASSTHROUGH_ARGS": "--tensor-parallel-size 8 --swap-space '2'"})
+    assert flag(args, "--tensor-parallel-size") == "8" and flag(args, "--swap-space") == "2"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert args.index("--no-enable-prefix-caching") < args.index("--swap-space")
+
+
+VLLM_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 480.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 320.0
+"""
+
+
+def test_gauges_come_from_vllms_exposition_and_keep_the_last_values_when_absent():
+    previous = EngineStats(running=0, waiting=0, max_num_seqs=16, kv_cache_usage=0.0)
+    stats = gauges_from_vllm(VLLM_METRICS, 16, previous)
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (3, 1, 0.25)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (480, 320)
+    assert gauges_from_vllm("", 16, stats) == stats
+
+
+
+# -- the passthrough: what vLLM's app sends, observed on its way to the client ----------------------
+def _runtime(app) -> SimpleNamespace:
+    """A runtime whose engine app is `app`: a scripted stand-in for vLLM's app, which sends exactly
+    the messages a test needs (its real counterpart runs in the integration tests)."""
+    stats = EngineStats(running=0, waiting=0, max_num_seqs=4, kv_cache_usage=0.0)
+    return SimpleNamespace(admission=Admission(4, 4, 8), metrics=ServiceMetrics("m", 512, lambda: stats),
+                           engine=SimpleNamespace(app=app, root_app="vllm-app"))
+
+
+def _sample(rt, name: str, **labels) -> float:
+    return rt.metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0
+
+
+def _engine(status: int, headers: dict[bytes, bytes], bodies: list[bytes], then=None, complete: bool = True):
+    async def app(scope, receive, send):
+        assert scope["app"] == "vllm-app" and dict(scope["headers"])[b"x-request-id"] == b"req-1"
+        app.received = (await receive())["body"]
+        await send({"type": "http.response.start", "status": status, "headers": list(headers.items())})
+        for i, body in enumerate(bodies):
+            await send({"type": "http.response.body", "body": body, "more_body": not complete or i < len(bodies) - 1})
+        if then:
+            raise then
+    return app
+
+
+SSE = {b"content-type": b"text/event-stream; charset=utf-8"}
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+HI = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+END = b'data: {"choices":[{"index":0,"delta":{"content":" there"},"finish_reason":"length"}]}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def _pass(rt, body: bytes = b"{}", keep_usage: bool = False, on_message=None) -> list[dict]:
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+        if on_message:
+            on_message(message)
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    rt.admission.enter(bounded=False)
+    scope = {"type": "http", "headers": [(b"content-length", b"2")], "state": {"request_id": "req-1"}}
+    asyncio.run(Passthrough(rt, body, generates=True, keep_usage=keep_usage)(scope, receive, send))
+    return sent
+
+
+def test_a_stream_passes_as_sent_counted_before_its_last_event_without_the_usage_it_did_not_ask_for():
+    rt = _runtime(_engine(200, SSE, [ROLE, HI, END, USAGE, DONE]))
+
+    def counted_before_done(message) -> None:
+        if message.get("body", b"").endswith(DONE):
+            assert (_sample(rt, "request_success_total", finished_reason="length"), rt.admission.in_flight) == (1, 0)
+
+    sent = _pass(rt, on_message=counted_before_done)
+    assert b"".join(m.get("body", b"") for m in sent) == ROLE + HI + END + DONE
+    assert (_sample(rt, "prompt_tokens_total"), _sample(rt, "generation_tokens_total")) == (3, 2)
+    assert _sample(rt, "time_to_first_token_seconds_count") == 1, "the role event carries no output"
+    assert _sample(rt, "time_per_output_token_seconds_count") == 1
+    kept = _pass(_runtime(_engine(200, SSE, [HI, END, USAGE, DONE])), keep_usage=True)
+    assert b"".join(m.get("body", b"") for m in kept) == HI + END + USAGE + DONE
+
+
+def test_a_client_that_leaves_mid_stream_is_an_abort():
+    from starlette.requests import ClientDisconnect
+
+    for then in (None, ClientDisconnect()):  # the app returns early, or raises as Starlette does
+        rt = _runtime(_engine(200, SSE, [HI, HI], then=then, complete=False))
+        try:
+            _pass(rt)
+        except ClientDisconnect:
+            pass
+        assert (_sample(rt, "request_failure_total", reason="abort"), rt.admission.in_flight) == (1, 0), then
+        assert _sample(rt, "request_success_total", finished_reason="stop") == 0
+
+
+def test_a_whole_answer_counts_its_usage_and_a_responses_stream_its_final_event():
+    reply = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 4, "completion_tokens": 1}}
+    body = json.dumps(reply).encode()
+    rt = _runtime(_engine(200, {b"content-type": b"application/json", b"content-length": b"9"},
+                          [body[:10], body[10:]]))
+    start, whole = _pass(rt)
+    assert dict(start["headers"])[b"content-length"] == str(len(body)).encode() and whole["body"] == body
+    assert _sample(rt, "request_success_total", finished_reason="stop") == 1 and _sample(rt, "prompt_tokens_total") == 4
+
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+    completed = (b'event: response.completed\ndata: {"type":"response.completed","response":'
+                 b'{"usage":{"input_tokens":5,"output_tokens":2}}}\n\n')
+    rt = _runtime(_engine(200, SSE, [delta, completed]))
+    _pass(rt, keep_usage=True)
+    assert (_sample(rt, "prompt_tokens_total"), _sample(rt, "generation_tokens_total")) == (5, 2)
+    assert _sample(rt, "time_to_first_token_seconds_count") == 1
+
+
+def test_engine_errors_reach_the_client_in_the_openai_shape_and_503_with_retry_after():
+    busy = b'{"error": {"message": "busy", "type": "ServiceUnavailable", "param": null, "code": 503}}'
+    rt = _runtime(_engine(503, {b"content-type": b"application/json"}, [busy]))
+    start, whole = _pass(rt)
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"1" and whole["body"] == busy
+    assert _sample(rt, "request_failure_total", reason="error") == 1 and rt.admission.in_flight == 0
+    rt = _runtime(_engine(405, {b"content-type": b"application/json"}, [b'{"detail": "Method Not Allowed"}']))
+    start, whole = _pass(rt)
+    assert json.loads(whole["body"])["error"]["message"] == "Method Not Allowed"
+    assert _sample(rt, "request_failure_total", reason="error") == 0, "a client's error is not the engine's"
+
+    shaped = b'{"error": {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400}}'
+    assert openai_error(400, shaped) == shaped
+    for status, body, message in ((404, b'{"detail": "Not Found"}', "Not Found"), (500, b"Internal Server Error", None),
+                                  (422, b'{"detail": [{"loc": ["body", "n"]}]}', None)):
+        error = json.loads(openai_error(status, body))["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+        assert error["message"] == (message or error["message"]) and error["message"]
+
+
+def test_streams_ask_the_engine_for_usage_and_remember_whether_the_client_did():
+    plain = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    body, asked = _asking_for_usage(plain, rewrite=True)
+    assert json.loads(body)["stream_options"] == {"include_usage": True} and not asked
+    asking = json.dumps({"stream": True, "stream_options": {"include_usage": True}}).encode()
+    assert _asking_for_usage(asking, rewrite=True) == (asking, True)
+    for unchanged in (b'{"stream": false}', b'{"stream": ', b'{"prompt": "x"}', b'[1]'):
+        assert _asking_for_usage(unchanged, rewrite=True) == (unchanged, True)
+    assert _asking_for_usage(plain, rewrite=False) == (plain, True)  # /v1/responses carries usage anyway
+
+
+def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys):
+    settings = load_settings({}, {"NIM_JSONL_LOGGING": "1"})
+    config = json.loads(write_logging_config(tmp_path, settings).read_text())
+    logging.config.dictConfig(config)
+    try:
+        token = request_id_var.set("req-7")
+        logging.getLogger("vllm.engine").info("hello %s", "there")
+        request_id_var.reset(token)
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert (line["logger"], line["message"], line["request_id"], line["level"]) == (
+            "vllm.engine", "hello there", "req-7", "INFO")
+    finally:
+        logging.getLogger().handlers[:] = []
