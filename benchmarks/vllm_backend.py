@@ -137,10 +137,11 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
 
 
 def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
-           alternating_tokens: int) -> dict:
+           alternating_tokens: int, per_stream: int) -> dict:
     """Short runs against each server, back to back with the order alternating, and the runtime's
     cost as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair
-    shares it. `model_dir` is mounted in place of the image's weights (None: the image's own)."""
+    shares it. `model_dir` is mounted in place of the image's weights (None: the image's own);
+    `per_stream` requests a client in each run (more for a fast model, whose runs are short)."""
     runtime, _ = start(client, vllm_image, model_dir=model_dir)
     try:
         own, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
@@ -158,7 +159,8 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
         for round_ in range(rounds):
             for level in LEVELS:
                 order = list(doors) if round_ % 2 == 0 else list(doors)[::-1]
-                pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,))[level])
+                pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,),
+                                                                               per_stream=per_stream)[level])
                                      for name in order})
     finally:
         for server in servers:
@@ -266,9 +268,10 @@ def main() -> None:
         result: dict = {}
         llama_76m = functools.cache(lambda: make_76m_llama(Path(tmp) / "llama-76m"))  # made on first use
         parts = {"a_runtime_overhead": lambda: {
-                     "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64),
+                     "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16),
                      # its requests take seconds: fewer rounds, and 16 tokens a request one by one
-                     "llama-76m": part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16)},
+                     "llama-76m": part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16,
+                                         per_stream=4)},
                  "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()}),
                  "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
         for name, part in parts.items():

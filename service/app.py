@@ -14,6 +14,7 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from service.api.router import attach_routers
 from service.runtime import Runtime
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,22 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
     app.state.runtime = runtime
     attach_routers(app, runtime)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=runtime.settings.max_request_bytes)
-    if runtime.settings.api_key:  # outside the body limit: a request without the key is never read
-        app.add_middleware(ApiKeyMiddleware, api_key=runtime.settings.api_key)
-    app.add_middleware(RequestContextMiddleware)  # outermost: every answer carries the request id
+    for layer, options in contract_layers(runtime.settings):
+        app.add_middleware(layer, **options)
+    return app
+
+
+def contract_layers(settings: Settings) -> list[tuple[type, dict]]:
+    """The contract's ASGI layers, innermost first: the body limit; the API key outside it (a request
+    without the key is never read); the request id outermost (every answer carries it)."""
+    layers: list[tuple[type, dict]] = [(BodyLimitMiddleware, {"max_bytes": settings.max_request_bytes})]
+    if settings.api_key:
+        layers.append((ApiKeyMiddleware, {"api_key": settings.api_key}))
+    return layers + [(RequestContextMiddleware, {})]
+
+
+def with_contract_layers(app, settings: Settings):
+    """`app` inside the contract's layers, as build_app's app has them."""
+    for layer, options in contract_layers(settings):
+        app = layer(app, **options)
     return app

@@ -5,8 +5,12 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -57,3 +61,42 @@ def configure_logging(level: str, jsonl: bool) -> None:
     logging.getLogger("uvicorn.access").disabled = True
     for noisy in ("httpx", "httpcore", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+@contextmanager
+def json_lines_for_raw_output() -> Iterator[None]:
+    """With NIM_JSONL_LOGGING, every line a log collector reads must be JSON, also what bypasses
+    logging: native code's warnings on file descriptor 2, progress bars, `print`, Python's warnings,
+    in this process and in the processes it starts (they inherit its descriptors). Descriptors 1
+    and 2 go to a pipe; a thread passes JSON lines on as they are and wraps the others as records."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    thread = threading.Thread(target=_wrap_lines, args=(read_end, out), name="raw-output", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        thread.join(timeout=2.0)  # to the pipe's end, unless a child that outlived us still holds it
+
+
+def _wrap_lines(read_end: int, out: int) -> None:
+    formatter = JsonFormatter()
+    with os.fdopen(read_end, "rb") as source, os.fdopen(out, "wb", buffering=0) as sink:
+        for line in source:
+            text = line.rstrip(b"\r\n")
+            if not text.strip():
+                continue
+            if not (text.startswith(b"{") and text.endswith(b"}")):
+                record = logging.makeLogRecord({"name": "output", "levelname": "INFO",
+                                                "msg": text.decode(errors="replace").strip()})
+                text = formatter.format(record).encode()
+            sink.write(text + b"\n")

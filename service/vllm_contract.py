@@ -1,9 +1,9 @@
 """The NIM contract inside each of vLLM's API server processes (vLLM's `--middleware` option).
 
-vLLM adds `NimContract` around its app in every API server process it runs. Requests reach the
-contract's own FastAPI app (service/app.py: management routes, auth, request ids, body limit, error
-shapes, OpenAPI document), whose inference routes hand the request to vLLM's app below, in-process
-(service/api/passthrough.py). On vLLM's lifespan start the contract starts its own: the warm-up
+vLLM adds `NimContract` around its app in every API server process it runs. Inference routes go,
+inside the contract's layers (request id, API key, body limit), to vLLM's app below, in-process
+(service/api/passthrough.py); every other request to the contract's own FastAPI app (service/app.py:
+management routes, /v1/models, the OpenAPI document, OpenAI-shaped 404s). On vLLM's lifespan start the contract starts its own: the warm-up
 that readiness waits for, the engine watch, and a SIGTERM handler that drains before vLLM stops.
 
 What the launcher resolved (settings, profile, weights) comes from the file it names in
@@ -20,7 +20,8 @@ import signal
 from pathlib import Path
 
 from service.admission import drain_then_stop
-from service.app import build_app
+from service.api.passthrough import PASSED, PassthroughApp
+from service.app import build_app, with_contract_layers
 from service.engine.vllm_server import RUNTIME_FILE_ENV, VllmServer
 from service.profiles import detect_hardware
 from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
@@ -47,12 +48,15 @@ class NimContract:
         self.runtime = runtime_from_file(Path(os.environ[RUNTIME_FILE_ENV]))
         assert isinstance(self.runtime.engine, VllmServer), "the runtime file names a vLLM profile"
         self.contract = build_app(self.runtime, on_fatal=self._fatal)
+        self.inference = with_contract_layers(PassthroughApp(self.runtime), self.runtime.settings)
         self.server = None
         self._lifespan = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._lifespan_send(scope, send))
+        if scope["type"] == "http" and scope["path"] in PASSED:
+            return await self.inference(scope, receive, send)
         await self.contract(scope, receive, send)
 
     def _lifespan_send(self, scope, send):

@@ -42,10 +42,11 @@ def request_body(path: str) -> dict:
         "schema": {"$ref": f"#/components/schemas/{REQUESTS[path].__name__}"}}}}}
 
 
-def openapi_document(app: FastAPI) -> dict:
-    """FastAPI's document, with every model it names by reference among its components."""
+def openapi_document(app: FastAPI, served_elsewhere: list | None = None) -> dict:
+    """FastAPI's document of the app's routes and of `served_elsewhere` (routes the app's own
+    layers serve before routing), with every model it names by reference among its components."""
     if app.openapi_schema is None:
-        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes + (served_elsewhere or []))
         modes = [(m, "validation" if m in REQUESTS.values() else "serialization") for m in REFERENCED]
         _, definitions = models_json_schema(modes, ref_template="#/components/schemas/{model}")
         schemas = document.setdefault("components", {}).setdefault("schemas", {})

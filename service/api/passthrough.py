@@ -5,9 +5,10 @@ draining, metrics with NIM's names that equal the usage clients received); the e
 parameters, bounds its queue and serves its extra features (tools, response_format, embeddings,
 /tokenize, /v1/responses). The engine's app reads the client's disconnect itself and aborts.
 
-On the token path this costs one wrapped `send` per event: a regular expression marks the events
-that carry output (for TTFT and the gaps between tokens) and only events that may end a request
-(a finish reason, usage, a /v1/responses end) are parsed.
+The routes are pure ASGI, taken before any routing (service/vllm_contract.py): on the token path
+the contract costs one wrapped `send` per event, in which a regular expression marks the events
+that carry output (for TTFT and the gaps between tokens); only events that may end a request (a
+finish reason, usage, a /v1/responses end) are parsed.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from service.api.context import runtime
 from service.api.errors import ServingError
-from service.api.openapi import REQUESTS, STREAMED, request_body
+from service.api.middleware import send_error
+from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine
 
 # Routes the engine serves; those marked True generate tokens (metrics).
@@ -87,23 +89,53 @@ def _counts(usage: dict | None) -> dict | None:
     return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
-def attach_passthrough(router: APIRouter) -> None:
-    """The engine's routes; chat and completions documented with the bodies and answers of the
-    contract (the engine takes more: its own features pass through)."""
+class PassthroughApp:
+    """The engine's inference routes, as ASGI: no router or exception layers on the token path."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+
+    async def __call__(self, scope, receive, send) -> None:
+        rt, path = self.rt, scope["path"]
+        if scope["method"] != "POST":
+            return await send_error(send, ServingError(405, f"{scope['method']} is not allowed on {path}: POST",
+                                                       headers={"Allow": "POST"}))
+        if not rt.ready:
+            return await send_error(send, ServingError(503, rt.not_ready_reason(), headers=RETRY))
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away before its request was read
+        generates = PASSED[path]
+        body, keep_usage = _asking_for_usage(body, generates and path != "/v1/responses")
+        rt.admission.enter(bounded=False)  # counted for the drain; the engine bounds its own queue
+        await Passthrough(rt, body, generates, keep_usage)(scope, receive, send)
+
+
+async def _read_body(receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def documented_routes() -> list[APIRoute]:
+    """The OpenAPI document's entries for these routes, chat and completions with the bodies and
+    answers of the contract (the engine takes more: its own features pass through). Only the
+    document reads them: PassthroughApp serves the paths, before any routing."""
+    router = APIRouter(responses=ERRORS)
     for path in PASSED:
         documented = {"openapi_extra": request_body(path), "responses": STREAMED[path]} if path in REQUESTS else {}
-        router.add_api_route(path, forward, methods=["POST"], include_in_schema=True,
-                             summary=f"{path}, served by the engine", **documented)
+        router.add_api_route(path, _documented, methods=["POST"], summary=f"{path}, served by the engine",
+                             **documented)
+    return list(router.routes)
 
 
-async def forward(request: Request) -> Response:
-    rt = runtime(request)
-    if not rt.ready:
-        raise ServingError(503, rt.not_ready_reason(), headers=RETRY)
-    generates = PASSED[request.url.path]
-    body, keep_usage = _asking_for_usage(await request.body(), generates and request.url.path != "/v1/responses")
-    rt.admission.enter(bounded=False)  # counted for the drain; the engine bounds its own queue
-    return Passthrough(rt, body, generates, keep_usage)
+async def _documented(request: Request) -> Response:
+    raise ServingError(500, "a route of the OpenAPI document only")  # never routed to: see documented_routes
 
 
 def _asking_for_usage(body: bytes, rewrite: bool) -> tuple[bytes, bool]:
@@ -125,14 +157,13 @@ def _asking_for_usage(body: bytes, rewrite: bool) -> tuple[bytes, bool]:
     return body, asked
 
 
-class Passthrough(Response):
-    """The engine's own answer to the request, sent on as it is made; observed for the metrics, its
+class Passthrough:
+    """The engine's own answer to one request, sent on as it is made; observed for the metrics, its
     errors in the OpenAI shape, its 503s with Retry-After."""
 
     def __init__(self, rt, body: bytes, generates: bool, keep_usage: bool) -> None:
         self.rt, self.body, self.generates, self.keep_usage = rt, body, generates, keep_usage
         self.observed = Observed()
-        self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
         engine: PassthroughEngine = self.rt.engine
@@ -168,6 +199,12 @@ class Passthrough(Response):
                 self.observed.record(self.rt.metrics, failure or ("error" if self.status >= 500 else None))
 
     async def _send(self, send, message) -> None:
+        if self.sending == "events" and message["type"] == "http.response.body":  # the token path
+            message["body"] = self._events(message.get("body", b""))
+            if not message.get("more_body", False):
+                self._settle(None)
+                self.sending = "done"
+            return await send(message)
         if message["type"] == "http.response.start":
             self.status = message["status"]
             media = dict(message.get("headers", [])).get(b"content-type", b"")
@@ -179,33 +216,27 @@ class Passthrough(Response):
             return
         if message["type"] != "http.response.body":
             return await send(message)
-        last = not message.get("more_body", False)
-        if self.sending == "events":
-            message["body"] = self._events(message.get("body", b""))
-            if last:
-                self._settle(None)
-                self.sending = "done"
-            return await send(message)
         self.held.append(message)
-        if last:
+        if not message.get("more_body", False):
             await self._send_whole(send)
 
     def _events(self, data: bytes) -> bytes:
-        """SSE events as the engine wrote them (whole events per message), observed; the usage-only
-        event the runtime asked for is dropped when the client did not ask for it."""
+        """SSE events as the engine wrote them (whole events, one per message as vLLM sends them),
+        observed; the usage-only event the runtime asked for is dropped when the client did not ask."""
         if not self.generates:
             return data
-        now, out = time.perf_counter(), []
+        if OUTPUT.search(data):
+            self.observed.output(time.perf_counter())
+        if not MAY_END.search(data):
+            return data
+        out = []
         for raw in data.split(b"\n\n"):
             if not raw:
                 continue
-            if OUTPUT.search(raw):
-                self.observed.output(now)
-            if MAY_END.search(raw):
-                event = _json(_data(raw)) or {}
-                self.observed.ending(event)
-                if not self.keep_usage and event.get("usage") and not event.get("choices"):
-                    continue
+            event = _json(_data(raw)) or {}
+            self.observed.ending(event)
+            if not self.keep_usage and event.get("usage") and not event.get("choices"):
+                continue
             out.append(raw + b"\n\n")
         return b"".join(out)
 

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from service.admission import Admission
 from service.api.context import cancel_on_disconnect, runtime
 from service.api.openapi import ERRORS, STREAMED, openapi_document
-from service.api.passthrough import attach_passthrough
+from service.api.passthrough import documented_routes
 from service.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                   CompletionResponse, HealthResponse, ModelCard, ModelList)
 from service.api.serving import SSEStream
@@ -119,13 +119,12 @@ async def metrics(request: Request) -> Response:
 
 
 def attach_routers(app: FastAPI, runtime_: Runtime) -> None:
-    """Management routes always; inference routes served by our OpenAI layer, or by the engine's app."""
-    app.openapi = lambda: openapi_document(app)
+    """Management routes always; inference routes served by our OpenAI layer, or, in front of an
+    engine with an app of its own, by service.api.passthrough before any routing (documented here)."""
     app.include_router(management)
     app.include_router(models_router)
     if runtime_.serving is not None:
         app.include_router(inference)
+        app.openapi = lambda: openapi_document(app)
     else:
-        passed = APIRouter(responses=ERRORS)
-        attach_passthrough(passed)
-        app.include_router(passed)
+        app.openapi = lambda: openapi_document(app, documented_routes())

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.engine.base import EngineError, EngineStats, PassthroughEngine
+from service.logs import json_lines_for_raw_output
 from service.manifest import Profile
 from service.settings import SECRET_ENV, Settings
 
@@ -220,7 +221,8 @@ def serve(settings: Settings, selection: Selection) -> int:
     _adopt_orphans()
     log.info("serving with vLLM: %s", engine.describe())
     try:
-        run_vllm_serve(engine.arguments)
+        with json_lines_for_raw_output() if settings.jsonl_logging else contextlib.nullcontext():
+            run_vllm_serve(engine.arguments)
     except Exception as exc:  # vLLM could not start (weights, memory), or a process of its died
         log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
         return _failed()

@@ -370,6 +370,35 @@ def test_when_vllm_dies_readiness_fails_and_the_runtime_exits_non_zero(supervise
     assert processes(container) == {}, "vLLM processes outlived the runtime"
 
 
+def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(docker_client, vllm_image):
+    """NIM_MAX_NUM_SEQS=1 and NIM_MAX_QUEUE=0: of eight requests at once one is served and the others
+    get 503 and Retry-After (vLLM's own bound, the contract's header); with NIM_JSONL_LOGGING=1 every
+    line the container writes, vLLM's included, is one JSON object, with the request id where there is one.
+
+    At once: vLLM's CPU build reads no new request while its engine computes (on 2 cores), so one
+    sent while another runs is admitted only after that one ends, and finds the queue empty."""
+    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S, env={
+        "NIM_MAX_NUM_SEQS": "1", "NIM_MAX_QUEUE": "0", "NIM_JSONL_LOGGING": "1"})
+    body = {"model": MODEL, "prompt": "the", "max_tokens": 100, "ignore_eos": True}
+
+    async def at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(await asyncio.gather(*(client.post(f"{running.url}/v1/completions", json=body,
+                                                           headers={"X-Request-Id": f"at-once-{i}"})
+                                               for i in range(8))))
+    try:
+        replies = asyncio.run(at_once())
+        refused = [r for r in replies if r.status_code == 503]
+        assert refused and len(refused) < 8, [r.status_code for r in replies]
+        assert all(r.headers["retry-after"] == "1" and r.json()["error"]["message"] for r in refused)
+        lines = [json.loads(line) for line in running.container.logs().decode().splitlines() if line.strip()]
+        assert any(line["logger"].startswith("vllm.") for line in lines), "vLLM's own records"
+        ids = {r.headers["x-request-id"] for r in refused}
+        assert {line["request_id"] for line in lines if line.get("status") == 503} == ids
+    finally:
+        running.stop()
+
+
 def test_two_api_server_processes_keep_the_contract_and_add_up_their_metrics(docker_client, vllm_image):
     """`--api-server-count 2`: vLLM spreads the connections over two API server processes, the contract
     in each; every scrape, whichever process answers it, counts what both served (vLLM's multiprocess

@@ -230,3 +230,54 @@ def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys):
             "vllm.engine", "hello there", "req-7", "INFO")
     finally:
         logging.getLogger().handlers[:] = []
+
+
+def test_the_passthrough_app_refuses_other_methods_and_waits_for_readiness():
+    from service.api.passthrough import PassthroughApp
+
+    rt = _runtime(_engine(200, {b"content-type": b"application/json"}, [b'{"usage": {}}']))
+    rt.ready, rt.not_ready_reason = False, lambda: "Service is not ready: the engine is loading."
+
+    def call(method: str) -> tuple[int, dict, dict]:
+        sent: list[dict] = []
+
+        async def receive():
+            return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": "/v1/completions", "headers": [],
+                 "state": {"request_id": "req-1"}}
+        asyncio.run(PassthroughApp(rt)(scope, receive, send))
+        return sent[0]["status"], dict(sent[0]["headers"]), json.loads(sent[1]["body"])
+
+    status, _, body = call("GET")
+    assert status == 405 and "POST" in body["error"]["message"]
+    status, headers, body = call("POST")
+    assert (status, headers[b"retry-after"], body["error"]["message"]) == (
+        503, b"1", "Service is not ready: the engine is loading.")
+    rt.ready = True
+    assert call("POST")[0] == 200 and rt.engine.app.received == b'{"prompt": "x"}' and rt.admission.in_flight == 0
+
+
+def test_with_json_logs_what_bypasses_logging_is_wrapped_too(capfd):
+    """Native code's warnings, stdout and a child process's output become JSON records; JSON lines
+    pass as they are."""
+    import os
+    import subprocess
+    import sys
+
+    from service.logs import json_lines_for_raw_output
+
+    with json_lines_for_raw_output():
+        os.write(2, b'{"level": "INFO", "message": "already JSON"}\n')
+        os.write(2, b"[W utils.cpp:41] Warning: numa_migrate_pages failed\n\n")
+        os.write(1, b"printed\n")  # as print does outside pytest, which replaces sys.stdout
+        subprocess.run([sys.executable, "-c", "import sys; print('from a child', file=sys.stderr)"], check=True)
+    captured = capfd.readouterr()
+    lines = [json.loads(line) for line in (captured.out + captured.err).splitlines()]
+    assert lines[0] == {"level": "INFO", "message": "already JSON"}
+    assert [line["message"] for line in lines[1:]] == [
+        "[W utils.cpp:41] Warning: numa_migrate_pages failed", "printed", "from a child"]
+    assert all(line["logger"] == "output" and line["time"] for line in lines[1:])
