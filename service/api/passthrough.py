@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from service.api.errors import ServingError
+from service.api.errors import RETRY_AFTER_SECONDS, ServingError
 from service.api.middleware import send_error
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine
@@ -33,7 +33,7 @@ from service.engine.base import PassthroughEngine
 PASSED = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/responses": True,
           "/v1/embeddings": False, "/tokenize": False, "/detokenize": False, "/v1/score": False,
           "/v1/rerank": False, "/pooling": False, "/classify": False}
-RETRY = {"Retry-After": "1"}
+RETRY = {"Retry-After": RETRY_AFTER_SECONDS}
 GONE = (ClientDisconnect, asyncio.CancelledError, OSError)  # how a client's leaving reaches the app
 RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": "error"}
 # An event with output: text, content, reasoning or a /v1/responses delta that is not empty, or tool calls.
@@ -249,7 +249,7 @@ class Passthrough:
             content = openai_error(self.status, content)
             headers = [(k, v) for k, v in headers if k != b"content-type"] + [(b"content-type", b"application/json")]
             if self.status == 503:
-                headers.append((b"retry-after", RETRY["Retry-After"].encode()))
+                headers.append((b"retry-after", RETRY_AFTER_SECONDS.encode()))
         elif self.generates:
             reply = _json(content) or {}
             self.observed.usage = _counts(reply.get("usage"))
