@@ -309,6 +309,77 @@ def run_pipeline(pipeline: Annotated[Path, typer.Argument(help="A pipeline file 
         raise typer.Exit(max(f.exit_code for f in failures))
 
 
+model_app = typer.Typer(no_args_is_help=True, help="Model weights as signed OCI artifacts (CNCF ModelPack, "
+                        "OpenSSF model-signing).")
+app.add_typer(model_app, name="model")
+KeyFile = Annotated[Path, typer.Option("--key", help="PEM key: the private one to sign, the public one to verify.")]
+
+
+def model_ref(text: str):
+    """`REF` as the registry sees it; a malformed one is bad input (exit 2), a failing registry a failed check."""
+    from factory.errors import InputError
+    from service.oci import OciError, Ref
+
+    try:
+        return Ref.parse(text)
+    except OciError as exc:
+        raise InputError(str(exc)) from None
+
+
+def with_registry(work: Callable[[], T]) -> Callable[[], T]:
+    def wrapped() -> T:
+        from factory.errors import CheckFailed
+        from service.oci import OciError
+
+        try:
+            return work()
+        except OciError as exc:
+            raise CheckFailed(str(exc)) from None
+
+    return wrapped
+
+
+@model_app.command("push")
+def model_push(source: Annotated[Path, typer.Argument(help="A model directory, or a spec whose model.source is one.")],
+               to: Annotated[str, typer.Option("--to", help="REGISTRY/REPO[:TAG]; the tag defaults to the spec's "
+                                                            "version, else latest.")],
+               as_json: JsonFlag = False) -> None:
+    """Push the weights as a ModelPack artifact, one layer per file; print REF@sha256:... last."""
+    from factory.model.push import push_model
+    from factory.model.source import model_to_push
+
+    def work():
+        directory, name, version = model_to_push(source)
+        return push_model(directory, model_ref(to), name, version)
+
+    pushed = guarded("model push", with_registry(work))
+    emit({**asdict(pushed), "ref": str(pushed.ref)}, as_json,
+         f"{pushed.files} files, {pushed.bytes_total} bytes; {pushed.bytes_sent} bytes sent (the rest the registry "
+         f"held)\n{pushed.ref}")
+
+
+@model_app.command("sign")
+def model_sign(ref: Annotated[str, typer.Argument(help="REGISTRY/REPO[:TAG|@sha256:...] of a model artifact.")],
+               key: KeyFile, as_json: JsonFlag = False) -> None:
+    """Sign the artifact's files with OpenSSF model-signing; store the signature as its referrer."""
+    from factory.model.signing import sign_artifact
+
+    signed = guarded("model sign", with_registry(lambda: sign_artifact(model_ref(ref), key)))
+    emit({k: str(v) for k, v in vars(signed).items()}, as_json,
+         f"signed {signed.artifact} with key {signed.key}\nsignature {signed.signature}")
+
+
+@model_app.command("verify")
+def model_verify(ref: Annotated[str, typer.Argument(help="REGISTRY/REPO[:TAG|@sha256:...] of a model artifact.")],
+                 key: KeyFile, as_json: JsonFlag = False) -> None:
+    """Pull the artifact and check its signature as the runtime does; exit 1 on any mismatch."""
+    from factory.model.signing import verify_artifact
+
+    verified = guarded("model verify", with_registry(lambda: verify_artifact(model_ref(ref), key)))
+    emit({k: str(v) for k, v in vars(verified).items()}, as_json,
+         f"verified {verified.artifact} against key {verified.key}")
+
+
 @app.command("tiny-model")
 def tiny_model(out: Annotated[Path | None, typer.Option("--out", help="Directory to write; default: the cache.")] = None) -> None:
     """Make (or reuse from its cache) the bundled tiny model; print its directory last."""

@@ -108,12 +108,13 @@ def list_model_profiles(settings: Settings) -> int:
 
 
 def download_to_cache(settings: Settings) -> int:
-    from service.model_store import download_to_cache as fetch
-    from service.runtime import load_model_manifest
+    """The weights into NIM_CACHE_PATH, checked as serving checks them (a chart's init container)."""
+    from service.model_store import locate_model
+    from service.runtime import load_model_manifest, trust
 
     manifest, base_dir = load_model_manifest(settings)
     source = settings.model_path or manifest.model.source
-    path = fetch(source, cache_path=Path(settings.cache_path), base_dir=base_dir, name=manifest.model.name,
-                 allow_download=not settings.disable_model_download)
-    print(path)
+    located = locate_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir, name=manifest.model.name,
+                           allow_download=not settings.disable_model_download, trust=trust(settings), into_cache=True)
+    print(located.path)
     return 0

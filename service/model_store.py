@@ -1,9 +1,24 @@
-"""Resolving a model source (`local://`, `hf://`, or a plain path) to a directory of weights."""
+"""Resolving a model source (`local://`, `hf://`, `oci://`, or a plain path) to a directory of weights.
+
+An `oci://` source is a ModelPack artifact (service/modelpack.py): pulled once into
+`NIM_CACHE_PATH/oci/<registry>/<repository>/<manifest digest>/` with its signature, and checked
+against NIM_MODEL_VERIFY_KEY on every start before anything loads it (service/model_signature.py).
+Replicas that share the cache volume each pull into a private directory and rename it into place,
+so none sees a half-written model.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from service.model_signature import SignatureError, Verification, verify_model
+
+log = logging.getLogger(__name__)
 
 
 class ModelSourceError(RuntimeError):
@@ -50,6 +65,109 @@ def download_to_cache(source: str, *, cache_path: Path, base_dir: Path | None, n
     if origin.resolve() != target.resolve():
         shutil.copytree(origin, target, dirs_exist_ok=True)
     return target
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What a model must prove before it is served (NIM_MODEL_VERIFY, NIM_MODEL_VERIFY_KEY)."""
+
+    verify: bool = True
+    key: Path | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    path: Path
+    verification: Verification | None = None  # None: a local or hub model without a signature
+
+
+def locate_model(source: str, *, cache_path: Path, base_dir: Path | None, name: str, allow_download: bool,
+                 trust: Trust, into_cache: bool = False) -> Located:
+    """The weights of `source`, checked as `trust` asks; `into_cache` copies local ones into the cache
+    (download-to-cache) where serving reads them in place."""
+    if source.startswith("oci://"):
+        return _resolve_oci(source, cache_path, allow_download, trust)
+    fetch = download_to_cache if into_cache else resolve_model
+    path = fetch(source, cache_path=cache_path, base_dir=base_dir, name=name, allow_download=allow_download)
+    if not trust.verify:
+        log.warning("model verification is off (NIM_MODEL_VERIFY=0)")
+    return Located(path, None if trust.verify else Verification("disabled"))
+
+
+def _resolve_oci(source: str, cache_path: Path, allow_download: bool, trust: Trust) -> Located:
+    from service.oci import OciError, Ref
+
+    try:
+        ref = Ref.parse(source)
+        entry = _oci_entry(ref, cache_path, allow_download)
+    except OciError as exc:
+        raise ModelSourceError(f"{source}: {exc}") from None
+    pinned = f"oci://{ref.name}@sha256:{entry.name}"
+    if not trust.verify:
+        log.warning("model verification is off (NIM_MODEL_VERIFY=0): serving %s unverified", pinned)
+        return Located(entry / "model", Verification("disabled", artifact=pinned))
+    if trust.key is None:
+        raise ModelSourceError(f"{source}: NIM_MODEL_VERIFY_KEY is not set, and a model from an oci:// source must "
+                               "verify against it (NIM_MODEL_VERIFY=0 serves it unverified)")
+    if not (entry / "model.sig").is_file():
+        raise ModelSourceError(f"{pinned}: no signature: the artifact has no model-signing referrer")
+    try:
+        key = verify_model(entry / "model", entry / "model.sig", trust.key)
+    except SignatureError as exc:
+        raise ModelSourceError(f"{pinned}: does not verify against {trust.key}: {exc}") from None
+    log.info("model %s verified against key %s", pinned, key)
+    return Located(entry / "model", Verification("verified", key=key, artifact=pinned))
+
+
+def _oci_entry(ref, cache_path: Path, allow_download: bool) -> Path:
+    """The cache entry of the artifact `ref` names: reused when `ref` is pinned and present; else
+    the manifest is read (a tag may have moved) and, when new, the artifact is pulled. A signature
+    is looked for whenever the entry has none and pulling is allowed."""
+    from service.oci import get_manifest
+
+    repository = cache_path / "oci" / ref.registry.replace(":", "_") / ref.repository
+    entry = repository / ref.digest.removeprefix("sha256:") if ref.digest else None
+    if entry is None or not (entry / "model").is_dir():
+        if not allow_download:
+            raise ModelSourceError(f"oci://{ref}: not in the cache at {cache_path} and NIM_DISABLE_MODEL_DOWNLOAD=1 "
+                                   "forbids pulling it")
+        _, digest, _ = get_manifest(ref)
+        entry = repository / digest.removeprefix("sha256:")
+        if not (entry / "model").is_dir():
+            _pull_entry(ref.at(digest), entry)
+    if allow_download and not (entry / "model.sig").is_file():
+        _pull_signature(ref.at("sha256:" + entry.name), entry)
+    return entry
+
+
+def _pull_entry(pinned, entry: Path) -> None:
+    """Pull into a private directory beside `entry`, then rename it into place."""
+    from service.modelpack import pull_model
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        pulled = pull_model(pinned, partial / "model")
+        os.rename(partial, entry)
+        log.info("pulled %s (%d files, %d bytes) into %s", pinned, pulled.files, pulled.bytes, entry)
+    except OSError as exc:
+        if not (entry / "model").is_dir():  # else another replica placed the same digest first
+            raise ModelSourceError(f"oci://{pinned}: could not place the model in the cache: {exc}") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _pull_signature(pinned, entry: Path) -> None:
+    """The newest model-signing bundle that refers to the artifact, as `model.sig` beside the model."""
+    from service.modelpack import signatures
+    from service.oci import get_manifest, pull_blob
+
+    found = signatures(pinned)
+    if found:
+        signed, _, _ = get_manifest(pinned.at(found[-1]["digest"]))
+        partial = entry / f".model.sig.{os.getpid()}"
+        pull_blob(pinned, signed["layers"][0], partial)
+        os.replace(partial, entry / "model.sig")
 
 
 def _resolve_hf(source: str, cache_path: Path, allow_download: bool) -> Path:

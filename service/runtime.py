@@ -14,7 +14,8 @@ from service.api.serving import OpenAIServing
 from service.engine.base import Engine, EngineBase, PassthroughEngine
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
-from service.model_store import resolve_model
+from service.model_signature import Verification
+from service.model_store import Trust, locate_model
 from service.profiles import Hardware, available_engines, detect_hardware, select_profile
 from service.settings import Settings
 
@@ -56,6 +57,7 @@ class Runtime:
     engine: EngineBase
     served_model_name: str
     admission: Admission
+    verification: Verification | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
@@ -91,7 +93,7 @@ class Runtime:
             "selectedModelProfileId": self.profile.id,
             "assetInfo": assets,
             "licenseInfo": {"name": self.manifest.model.license or "unknown"},
-        }
+        } | ({"modelVerification": self.verification.report()} if self.verification else {})
 
     def version(self) -> dict:
         return {"release": __version__, "api": API_VERSION}
@@ -105,6 +107,7 @@ class Selection:
     hardware: Hardware
     profile: Profile
     model_dir: Path
+    verification: Verification | None = None
 
     def served_name(self, settings: Settings) -> str:
         return settings.served_model_name or self.manifest.model.name
@@ -118,9 +121,13 @@ def select(settings: Settings) -> Selection:
                              settings.tensor_parallel_size)
     log.info("selected profile %s (%s) on %s", profile.name, profile.id, hardware.describe())
     source = settings.model_path or manifest.model.source
-    model_dir = resolve_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir,
-                              name=manifest.model.name, allow_download=not settings.disable_model_download)
-    return Selection(manifest, hardware, profile, model_dir)
+    located = locate_model(source, cache_path=Path(settings.cache_path), base_dir=base_dir, name=manifest.model.name,
+                           allow_download=not settings.disable_model_download, trust=trust(settings))
+    return Selection(manifest, hardware, profile, located.path, located.verification)
+
+
+def trust(settings: Settings) -> Trust:
+    return Trust(settings.model_verify, Path(settings.model_verify_key) if settings.model_verify_key else None)
 
 
 def build_runtime(settings: Settings, selection: Selection | None = None) -> Runtime:
@@ -132,6 +139,7 @@ def build_runtime(settings: Settings, selection: Selection | None = None) -> Run
     per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
     return Runtime(settings=settings, manifest=chosen.manifest, profile=profile, hardware=chosen.hardware,
                    model_dir=chosen.model_dir, engine=engine, served_model_name=served_name,
+                   verification=chosen.verification,
                    admission=Admission(engine.max_num_seqs, max_queue, per_request))
 
 

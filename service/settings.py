@@ -27,7 +27,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_path: str | None = _opt(
-        "NIM_MODEL_PATH", "--model", "Local model directory or hf://org/name[@revision]; default: the manifest's source.", default=None)
+        "NIM_MODEL_PATH", "--model", "Local model directory, hf://org/name[@revision] or oci://REGISTRY/REPO[:TAG|@sha256:...] "
+        "(a ModelPack artifact); default: the manifest's source.", default=None)
     served_model_name: str | None = _opt(
         "NIM_SERVED_MODEL_NAME", "--served-model-name", "The id clients send as `model`; default: the manifest's model name.", default=None)
     model_profile: str | None = _opt(
@@ -53,6 +54,13 @@ class Settings(BaseModel):
         "NIM_TENSOR_PARALLEL_SIZE", "--tensor-parallel-size", "Overrides the profile's tp.", default=None, ge=1)
     disable_model_download: bool = _opt(
         "NIM_DISABLE_MODEL_DOWNLOAD", "--disable-model-download", "1 = never fetch weights; fail if absent.", default=False)
+    model_verify: bool = _opt(
+        "NIM_MODEL_VERIFY", "--model-verify", "0 = serve a model that is unsigned or does not verify (reported in "
+        "/v1/metadata and the logs); 1 = a model from an oci:// source must verify against NIM_MODEL_VERIFY_KEY.",
+        default=True)
+    model_verify_key: str | None = _opt(
+        "NIM_MODEL_VERIFY_KEY", "--model-verify-key", "Public key (PEM file) model signatures must verify against.",
+        default=None)
     passthrough_args: str = _opt(
         "NIM_PASSTHROUGH_ARGS", "--passthrough-args", "Extra arguments for an upstream engine process.", default="")
     enable_kv_cache_reuse: bool = _opt(

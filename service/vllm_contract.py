@@ -23,6 +23,7 @@ from service.admission import drain_then_stop
 from service.api.passthrough import PASSED, PassthroughApp
 from service.app import build_app, with_contract_layers
 from service.engine.vllm_server import RUNTIME_FILE_ENV, VllmServer
+from service.model_signature import Verification
 from service.profiles import detect_hardware
 from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
 from service.settings import Settings
@@ -37,7 +38,8 @@ def runtime_from_file(path: Path) -> Runtime:
     settings = Settings(**state["settings"])
     manifest, _ = load_model_manifest(settings)
     profile = next(p for p in manifest.profiles if p.id == state["profile_id"])
-    return build_runtime(settings, Selection(manifest, detect_hardware(), profile, Path(state["model_dir"])))
+    verification = Verification(**state["verification"]) if state.get("verification") else None
+    return build_runtime(settings, Selection(manifest, detect_hardware(), profile, Path(state["model_dir"]), verification))
 
 
 class NimContract:

@@ -27,6 +27,7 @@ import math
 import os
 import shlex
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -212,7 +213,8 @@ def serve(settings: Settings, selection: Selection) -> int:
     state = private / "runtime.json"
     state.touch(mode=0o600)
     state.write_text(json.dumps({"settings": settings.model_dump(), "profile_id": selection.profile.id,
-                                 "model_dir": str(selection.model_dir)}))
+                                 "model_dir": str(selection.model_dir),
+                                 "verification": selection.verification and asdict(selection.verification)}))
     os.environ[RUNTIME_FILE_ENV] = str(state)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config

@@ -1,0 +1,137 @@
+"""Model artifacts without a registry: references, ModelPack layers and config, signatures checked
+with model-signing and a key pair made here."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from factory.errors import InputError
+from factory.model.source import model_to_push
+from service.model_signature import SignatureError, key_identity, verify_model
+from service.model_store import ModelSourceError, Trust, locate_model
+from service.modelpack import DOC, WEIGHT, WEIGHT_CONFIG, media_type, model_config, model_files
+from service.oci import OciError, Ref, _scheme
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("oci://127.0.0.1:5000/models/tiny:v1", ("127.0.0.1:5000", "models/tiny", "v1", None)),
+    ("registry.example.com/org/llama@sha256:" + "a" * 64, ("registry.example.com", "org/llama", None, "sha256:" + "a" * 64)),
+    ("localhost/m", ("localhost", "m", None, None)),
+    ("127.0.0.1:5000/m:t@sha256:" + "b" * 64, ("127.0.0.1:5000", "m", "t", "sha256:" + "b" * 64)),
+])
+def test_references(text, expected):
+    ref = Ref.parse(text)
+    assert (ref.registry, ref.repository, ref.tag, ref.digest) == expected
+    assert Ref.parse(str(ref)) == ref
+
+
+@pytest.mark.parametrize("text", ["models/tiny:v1", "oci://", "127.0.0.1:5000/", "r.io/m@sha256:short",
+                                  "r.io/m@md5:" + "a" * 32])
+def test_bad_references(text):
+    with pytest.raises(OciError, match="expected"):
+        Ref.parse(text)
+
+
+def test_loopback_registries_speak_plain_http_as_docker_allows():
+    assert [_scheme(r) for r in ("127.0.0.1:5000", "localhost:5000", "[::1]:5000", "127.0.0.2")] == ["http"] * 4
+    assert [_scheme(r) for r in ("registry.example.com", "10.0.0.5:5000", "nvcr.io")] == ["https"] * 3
+
+
+def test_layer_media_types_follow_modelpack():
+    kinds = {name: media_type(PurePosixPath(name)) for name in
+             ("model-00001-of-00002.safetensors", "pytorch_model.bin", "config.json", "tokenizer.json",
+              "chat_template.jinja", "README.md", "LICENSE")}
+    assert kinds == {"model-00001-of-00002.safetensors": WEIGHT, "pytorch_model.bin": WEIGHT,
+                     "config.json": WEIGHT_CONFIG, "tokenizer.json": WEIGHT_CONFIG, "chat_template.jinja": WEIGHT_CONFIG,
+                     "README.md": DOC, "LICENSE": DOC}
+
+
+def test_model_files_leave_out_git_and_signature(tmp_path):
+    for name in ("config.json", "sub/extra.json", ".git/HEAD", "model.sig", "w.safetensors"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert [str(p) for p in model_files(tmp_path)] == ["config.json", "sub/extra.json", "w.safetensors"]
+
+
+def test_config_lists_layers_and_precision(tmp_path):
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    config = model_config("llama", "1.0", tmp_path, ["sha256:1", "sha256:2"])
+    assert config["modelfs"] == {"type": "layers", "diffIds": ["sha256:1", "sha256:2"]}
+    assert config["config"] == {"architecture": "transformer", "format": "safetensors", "precision": "bf16"}
+    assert config["descriptor"] == {"name": "llama", "version": "1.0"}
+
+
+def key_pair(directory: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = directory / "key.pem", directory / "pub.pem"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
+def signed_model(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    from model_signing import signing
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights" * 100)
+    private, public = key_pair(tmp_path)
+    signing.Config().use_elliptic_key_signer(private_key=private).sign(model, tmp_path / "model.sig")
+    return model, tmp_path / "model.sig", private, public
+
+
+def test_a_signed_model_verifies_and_names_its_key(tmp_path):
+    model, signature, private, public = signed_model(tmp_path)
+    assert verify_model(model, signature, public) == key_identity(public) == key_identity(private)
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda m: (m / "model.safetensors").write_bytes(b"other"), "Hash mismatch for 'model.safetensors'"),
+    (lambda m: (m / "added.json").write_text("{}"), "Extra files found in model 'model': added.json"),
+    (lambda m: (m / "config.json").unlink(), "Missing files in model 'model': config.json"),
+])
+def test_any_change_to_a_signed_model_is_one_clear_line(tmp_path, change, expected):
+    model, signature, _, public = signed_model(tmp_path)
+    change(model)
+    with pytest.raises(SignatureError) as failure:
+        verify_model(model, signature, public)
+    assert expected in str(failure.value) and "\n" not in str(failure.value)
+
+
+def test_another_key_does_not_verify(tmp_path):
+    model, signature, _, _ = signed_model(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(SignatureError, match="Key mismatch"):
+        verify_model(model, signature, key_pair(other)[1])
+
+
+def test_an_oci_source_needs_a_key_unless_verification_is_off(tmp_path):
+    with pytest.raises(ModelSourceError, match="NIM_DISABLE_MODEL_DOWNLOAD=1"):
+        locate_model("oci://127.0.0.1:9/m:v1", cache_path=tmp_path, base_dir=None, name="m", allow_download=False,
+                     trust=Trust(True, None))
+    with pytest.raises(ModelSourceError, match="expected"):
+        locate_model("oci://m:v1", cache_path=tmp_path, base_dir=None, name="m", allow_download=True,
+                     trust=Trust(True, None))
+
+
+def test_model_push_takes_a_directory_or_a_specs_local_source(tmp_path, tiny_model_dir):
+    assert model_to_push(tiny_model_dir) == (tiny_model_dir.resolve(), tiny_model_dir.resolve().name, None)
+    spec = tmp_path / "m.yaml"
+    spec.write_text(f"""apiVersion: inferkiln/v1
+kind: ModelSpec
+metadata: {{name: tiny, version: 1.2.0}}
+model: {{source: "local://{tiny_model_dir}"}}
+profiles: [{{engine: torch, precision: fp32, tp: 1, gpu: cpu}}]
+""")
+    assert model_to_push(spec) == (tiny_model_dir, "tiny", "1.2.0")
+    with pytest.raises(InputError, match="not a model directory"):
+        model_to_push(tmp_path)
