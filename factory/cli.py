@@ -263,7 +263,9 @@ def publish(spec: Spec, registry: Annotated[str, typer.Option(help="HOST[:PORT] 
     release = guarded("publish", runner(spec, registry, force=force).publish)
     emit(release.model_dump(), as_json, f"{release.image.reference}@{release.image.digest}\n"
                                         f"{release.chart.reference}@{release.chart.digest}\n"
-                                        f"{release.sbom.reference if release.sbom else ''}")
+                                        f"{release.sbom.reference if release.sbom else ''}"
+                                        + (f"\nmodel {release.model.reference} signed by key {release.model.key}"
+                                           if release.model else ""))
 
 
 @app.command("catalog")
@@ -277,8 +279,9 @@ def catalog_command(as_json: JsonFlag = False) -> None:
         return
     for r in entries:
         flag = " (forced)" if r.forced else ""
+        model = f"  model {r.model.reference} (key {r.model.key[:19]})" if r.model else ""
         typer.echo(f"{r.time}  {r.name} {r.version}  {r.image.reference}@{r.image.digest[:19]}  "
-                   f"chart {r.chart.reference}  tests: {r.tests.summary}{flag}")
+                   f"chart {r.chart.reference}{model}  tests: {r.tests.summary}{flag}")
 
 
 @app.command("stack")

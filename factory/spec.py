@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from factory.errors import InputError
 from service.manifest import Engine, Precision
@@ -58,13 +58,30 @@ class ModelSource(Strict):
     served_name: str | None = None
     license: str = "unknown"
     bake: bool = True
+    # A public key (PEM file, relative to the spec) the model's signature must verify against; the
+    # image carries it (NIM_MODEL_VERIFY_KEY). Needed by oci:// sources.
+    verify_key: str | None = None
 
     @field_validator("source")
     @classmethod
     def _source(cls, value: str) -> str:
+        if value.startswith("oci://"):
+            if not re.match(r"^oci://[^/]+/[^@]+@sha256:[0-9a-f]{64}$", value):
+                raise ValueError("an oci:// source is named by digest: oci://REGISTRY/REPO[:TAG]@sha256:<64 hex> "
+                                 "(`inferkiln model push` prints it)")
+            return value
         if not (value.startswith("local://") and len(value) > 8) and not re.match(r"^hf://[^/@]+/[^/@]+(@.+)?$", value):
-            raise ValueError("must be local://<dir> or hf://org/name[@revision]")
+            raise ValueError("must be local://<dir>, hf://org/name[@revision] or oci://REGISTRY/REPO@sha256:...")
         return value
+
+    @model_validator(mode="after")
+    def _oci_is_pulled_and_verified(self) -> ModelSource:
+        if self.source.startswith("oci://") and self.bake:
+            raise ValueError("bake: an oci:// model is pulled into the cache at start, not baked; set bake: false")
+        if self.source.startswith("oci://") and not self.verify_key:
+            raise ValueError("verify_key: an oci:// model is served only once its signature verifies; name the "
+                             "public key (PEM) it was signed for")
+        return self
 
 
 class Runtime(Strict):
@@ -171,6 +188,10 @@ class LoadedSpec(BaseModel):
     spec: ModelSpec
     path: Path
 
+    def verify_key(self) -> Path | None:
+        key = self.spec.model.verify_key
+        return None if key is None else (Path(key) if Path(key).is_absolute() else self.path.parent / key).resolve()
+
     def local_source(self) -> Path | None:
         source = self.spec.model.source
         if not source.startswith("local://"):
@@ -225,4 +246,6 @@ def load_spec(path: str | Path) -> LoadedSpec:
     loaded = LoadedSpec(spec=spec, path=path.resolve())
     if (local := loaded.local_source()) is not None and not (local / "config.json").is_file():
         raise SpecError([f"{path}: model.source: no model directory (config.json) at {local}"])
+    if (key := loaded.verify_key()) is not None and not key.is_file():
+        raise SpecError([f"{path}: model.verify_key: no file at {key}"])
     return loaded

@@ -26,6 +26,10 @@ MATRIX: dict[str, dict[str, Any]] = {
                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     "ingress": {"ingress": {"enabled": True, "className": "nginx"}, "networkPolicy": {"enabled": True},
                 "metrics": {"serviceMonitor": {"enabled": True}}, "grafanaDashboard": {"enabled": True}},
+    # the weights pulled by an init container into a cache the replicas share, the key from a ConfigMap
+    "modelStore": {"modelStore": {"initContainer": True, "verifyKey": {"configMapName": "model-keys"}},
+                   "persistence": {"enabled": True, "existingClaim": "model-cache", "accessMode": "ReadWriteMany"},
+                   "replicaCount": 2},
 }
 # Kinds from CRDs: kubernetes-validate has no schema for them; their pod templates are still checked.
 CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}

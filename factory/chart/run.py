@@ -8,7 +8,11 @@ budget (`initialDelaySeconds + periodSeconds * failureThreshold`), so a run take
 
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +31,52 @@ def workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
     raise ChartError("the chart renders no Deployment or StatefulSet to run")
 
 
-def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
+@dataclass
+class PodRun:
+    """A pod as Docker runs it: its init containers (image, options), each to completion in order,
+    then the server's options. An emptyDir that an init container fills is a Docker volume the
+    server mounts too (removed after the run), as containers of one pod share it."""
+
+    main: dict[str, Any]
+    init: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    volumes: list[str] = field(default_factory=list)
+
+
+def pod_run(pod: dict[str, Any], release: str) -> PodRun:
+    inits = pod.get("initContainers") or []
+    mounted = {m["name"] for c in inits for m in c.get("volumeMounts", [])}
+    shared = {v["name"]: f"inferkiln-{release}-{v['name']}-{uuid.uuid4().hex[:8]}"
+              for v in pod.get("volumes", []) if "emptyDir" in v and v["name"] in mounted}
+    # An init container runs on the host's network: the registry it pulls from listens on loopback
+    # here, where a pod would reach it over the cluster's network.
+    init = [(c["image"], docker_options(pod, release, c, shared) | {"network_mode": "host"}) for c in inits]
+    return PodRun(docker_options(pod, release, pod["containers"][0], shared), init, list(shared.values()))
+
+
+@contextlib.contextmanager
+def init_containers_run(client, run: PodRun, timeout: float = 1800) -> Iterator[None]:
+    """Run the pod's init containers to completion (a failure raises ChartError with its log);
+    remove the volumes they shared once the block ends."""
+    try:
+        for image, options in run.init:
+            container = client.containers.run(image, detach=True, **options)
+            try:
+                status = container.wait(timeout=timeout)
+                if status.get("StatusCode"):
+                    logs = container.logs(tail=20).decode(errors="replace").strip()
+                    raise ChartError(f"init container {image} exited {status['StatusCode']}:\n{logs}")
+            finally:
+                container.remove(force=True)
+        yield
+    finally:
+        for name in run.volumes:
+            with contextlib.suppress(Exception):  # absent when no init container got to create it
+                client.volumes.get(name).remove(force=True)
+
+
+def docker_options(pod: dict[str, Any], release: str, container: dict[str, Any],
+                   shared: dict[str, str] | None = None) -> dict[str, Any]:
     """The container's settings as `docker run` options: env, user, filesystem, capabilities, mounts."""
-    container = pod["containers"][0]
     ctx, pod_ctx = container.get("securityContext") or {}, pod.get("securityContext") or {}
     env = {}
     for item in container.get("env", []):
@@ -44,7 +91,9 @@ def docker_options(pod: dict[str, Any], release: str) -> dict[str, Any]:
         volume = volumes.get(mount["name"])
         if volume is None:
             raise ChartError(f"volumeMount {mount['name']} names no volume of the pod")
-        if "emptyDir" in volume:
+        if volume["name"] in (shared or {}):
+            mounts[shared[volume["name"]]] = {"bind": mount["mountPath"], "mode": "rw"}
+        elif "emptyDir" in volume:
             # emptyDir directories are world-writable and, unlike Docker's tmpfs default, allow exec
             # (torch.compile loads the kernels it builds from /tmp)
             tmpfs[mount["mountPath"]] = "mode=1777,exec"
@@ -77,11 +126,10 @@ def image_values(image_reference: str) -> dict[str, Any]:
     return {"image": {"repository": repository, "tag": tag}}
 
 
-def pod_options(package: Path, image_reference: str, release: str) -> dict[str, Any]:
-    """The `docker run` options of the pod a chart package renders with its own values, running
-    `image_reference`."""
+def pod_options(package: Path, image_reference: str, release: str) -> PodRun:
+    """The pod a chart package renders with its own values, running `image_reference`, as Docker runs it."""
     obj = workload(render_objects(package, image_values(image_reference), release))
-    return docker_options(pod_specs(obj)[0], release)
+    return pod_run(pod_specs(obj)[0], release)
 
 
 def probe_url(container: dict[str, Any], probe: dict[str, Any], address: str) -> str:
@@ -120,9 +168,15 @@ def run_chart(client, chart_dir: Path, values: dict[str, Any], release: str = "c
     """Run the rendered pod and ask startup, then readiness and liveness; raise ChartError on failure."""
     obj = workload(render_objects(chart_dir, values, release))
     pod = pod_specs(obj)[0]
-    container = pod["containers"][0]
-    running = client.containers.run(container["image"], detach=True, **docker_options(pod, release))
+    container, run = pod["containers"][0], pod_run(pod, release)
     results: dict[str, Any] = {"workload": f"{obj['kind']}/{obj['metadata']['name']}", "image": container["image"]}
+    with init_containers_run(client, run):
+        results |= {f"initContainer {c['name']}": "completed" for c in pod.get("initContainers") or []}
+        return _run_server(client, container, run, results)
+
+
+def _run_server(client, container: dict[str, Any], run: PodRun, results: dict[str, Any]) -> dict[str, Any]:
+    running = client.containers.run(container["image"], detach=True, **run.main)
     try:
         running.reload()
         address = running.attrs["NetworkSettings"]["IPAddress"]

@@ -139,10 +139,12 @@ def model_manifest(loaded: LoadedSpec) -> Manifest:
 
 
 def weights_digest(loaded: LoadedSpec) -> str:
-    source = loaded.local_source()
+    """The weights the image carries (or names), with the key their signature must verify against."""
+    source, key = loaded.local_source(), loaded.verify_key()
+    named = loaded.spec.model.source.encode() + (key.read_bytes() if key else b"")
     if source is None or not loaded.spec.model.bake:
-        return hashlib.sha256(loaded.spec.model.source.encode()).hexdigest()
-    return tree_digest(source, skip=_not_weights)
+        return hashlib.sha256(named).hexdigest()
+    return tree_digest(source, skip=_not_weights) + (hashlib.sha256(named).hexdigest() if key else "")
 
 
 def _not_weights(relative: Path) -> bool:
@@ -178,7 +180,9 @@ def model_dockerfile(loaded: LoadedSpec, runtime_ref: str, labels: dict[str, str
     spec = loaded.spec
     return templates().get_template("model.Dockerfile.j2").render(
         runtime_image=runtime_ref, manifest_path=contract.MANIFEST_PATH, bake=spec.model.bake,
-        model_dir=contract.MODEL_DIR, env={"NIM_SERVED_MODEL_NAME": spec.served_name}, labels=labels)
+        model_dir=contract.MODEL_DIR, verify_key=contract.MODEL_VERIFY_KEY if spec.model.verify_key else None,
+        env={"NIM_SERVED_MODEL_NAME": spec.served_name}
+        | ({"NIM_MODEL_VERIFY_KEY": contract.MODEL_VERIFY_KEY} if spec.model.verify_key else {}), labels=labels)
 
 
 def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest: str) -> Path:
@@ -187,6 +191,8 @@ def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest:
     out.mkdir(parents=True)
     (out / "Dockerfile").write_text(model_dockerfile(loaded, runtime_ref, model_labels(loaded, digest)))
     (out / "model_manifest.yaml").write_text(model_manifest(loaded).to_yaml())
+    if (key := loaded.verify_key()) is not None:
+        shutil.copyfile(key, out / "verify-key.pem")
     if loaded.spec.model.bake:
         source = loaded.local_source()
         if source is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from factory.errors import CheckFailed
 from service.model_signature import key_identity
 from service.model_store import ModelSourceError, Trust, locate_model
-from service.modelpack import SIGNATURE_TYPE, pull_model
+from service.modelpack import SIGNATURE_TYPE, pull_model, signatures
 from service.oci import Ref, get_manifest, push_referrer
 
 
@@ -58,4 +58,5 @@ def verify_artifact(ref: Ref, public_key: Path) -> Signed:
             raise SignatureCheckFailed(str(exc)) from None
     verification = located.verification
     pinned = Ref.parse(verification.artifact)
-    return Signed(pinned, pinned, verification.key)
+    newest = signatures(pinned)[-1]  # the one the runtime checked
+    return Signed(pinned, pinned.at(newest["digest"]), verification.key)

@@ -23,6 +23,15 @@ class Artifact(BaseModel):
     digest: str
 
 
+class ModelArtifact(BaseModel):
+    """Weights served from a registry rather than the image: the artifact and what proves it."""
+
+    reference: str  # REGISTRY/REPO@sha256:...
+    digest: str
+    signature: str = Field(description="the model-signing bundle that verified, a referrer of the artifact")
+    key: str = Field(description="the public key it verified against: sha256 of its DER SubjectPublicKeyInfo")
+
+
 class TestSummary(BaseModel):
     """What the catalog keeps of a test run: the verdict and the headline numbers."""
 
@@ -70,6 +79,8 @@ class Release(BaseModel):
     image: Artifact
     chart: Artifact
     sbom: Artifact | None = Field(None, description="the runtime image's CycloneDX SBOM, referring to the image")
+    model: ModelArtifact | None = Field(None, description="the weights, when an oci:// artifact rather than the image "
+                                                          "holds them")
     tests: TestSummary
     regression: Comparison | None = Field(None, description="against the previous release, when one compared")
     forced: bool = False

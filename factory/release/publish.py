@@ -52,6 +52,23 @@ def push_image(client, local_reference: str, registry: str, progress: Progress) 
     return catalog.Artifact(reference=f"{repository}:{tag}", digest=digest)
 
 
+def verified_model(loaded: LoadedSpec) -> catalog.ModelArtifact | None:
+    """An oci:// model's artifact, checked against the spec's key as the runtime will check it:
+    a release names the weights it serves and what proves them."""
+    source = loaded.spec.model.source
+    if not source.startswith("oci://"):
+        return None
+    from factory.model.signing import verify_artifact
+    from service.oci import OciError, Ref
+
+    try:
+        signed = verify_artifact(Ref.parse(source), loaded.verify_key())
+    except (CheckFailed, OciError) as exc:
+        raise PublishError(f"refusing to publish: the model {source} does not verify: {exc}") from None
+    return catalog.ModelArtifact(reference=str(signed.artifact), digest=signed.artifact.digest,
+                                 signature=str(signed.signature), key=signed.key)
+
+
 def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, chart: ChartPackage, tests: TestReport,
             registry: str, progress: Progress, force: bool = False) -> catalog.Release:
     """Push image, SBOM and chart; record the release. Refuses, unless forced, a build whose gates failed
@@ -73,6 +90,7 @@ def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, cha
                            f"not the one being published ({wanted})")
     if not chart.path.is_file() or file_digest(chart.path) != chart.digest:
         raise PublishError(f"the chart package {chart.path} changed since the chart stage validated it")
+    model = verified_model(loaded)
     progress(f"pushing {images.model.reference} to {registry}...")
     image = push_image(client, images.model.reference, registry, progress)
     progress("pushing the runtime's SBOM...")
@@ -89,7 +107,7 @@ def publish(client, loaded: LoadedSpec, flavor: Flavor, images: BuiltImages, cha
     except CheckFailed as exc:
         raise PublishError(f"pushing the chart to {registry} failed: {exc}") from None
     release = catalog.Release(
-        name=spec.metadata.name, version=spec.metadata.version, image=image, sbom=sbom,
+        name=spec.metadata.name, version=spec.metadata.version, image=image, sbom=sbom, model=model,
         chart=catalog.Artifact(reference=reference, digest=digest),
         tests=summary, regression=comparison if comparison.previous else None,
         forced=force and not (tests.passed and comparison.passed),

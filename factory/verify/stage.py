@@ -12,7 +12,9 @@ from pathlib import Path
 
 from factory.paths import state_dir
 from factory.spec import LoadedSpec
-from factory.verify.container import ContainerError, start_model
+from factory.chart.helm import ChartError
+from factory.chart.run import PodRun, init_containers_run
+from factory.verify.container import POD_LIKE, ContainerError, start_model
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 from factory.verify.result import Gate, TestReport
 
@@ -20,21 +22,35 @@ Progress = Callable[[str], None]
 
 
 def test_image(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress,
-               pod: dict | None = None) -> TestReport:
-    """Start the image as the pod (`pod`: the chart's `docker run` options) and run the whole harness."""
+               pod: PodRun | None = None) -> TestReport:
+    """Start the image as the chart's pod (its init containers first) and run the whole harness."""
+    pod = pod or PodRun(POD_LIKE)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with init_containers_run(client, pod):
+            return _test_running(client, loaded, image_reference, report_dir, progress, pod)
+    except ChartError as exc:  # an init container failed (a model that does not verify): no pod started
+        return _not_started(report_dir, image_reference, str(exc))
+
+
+def _not_started(report_dir: Path, image_reference: str, why: str) -> TestReport:
+    report = TestReport.from_gates([Gate(id="container.ready", passed=False, detail=why[-2000:])],
+                                   report_dir, image=image_reference)
+    (report_dir / "summary.json").write_text(report.model_dump_json(indent=2))
+    return report
+
+
+def _test_running(client, loaded: LoadedSpec, image_reference: str, report_dir: Path, progress: Progress,
+                  pod: PodRun) -> TestReport:
     dataset = loaded.spec.tests.accuracy.dataset
     pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
     config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent)
-    report_dir.mkdir(parents=True, exist_ok=True)
     progress(f"starting {image_reference}...")
     start = time.perf_counter()
     try:
-        running = start_model(client, image_reference, pod=pod)
+        running = start_model(client, image_reference, pod=pod.main)
     except ContainerError as exc:
-        report = TestReport.from_gates([Gate(id="container.ready", passed=False, detail=str(exc)[-2000:])],
-                                       report_dir, image=image_reference)
-        (report_dir / "summary.json").write_text(report.model_dump_json(indent=2))
-        return report
+        return _not_started(report_dir, image_reference, str(exc))
     try:
         ready = time.perf_counter() - start
         report = run_harness(running.url, loaded.spec.served_name, config, report_dir, pairs=pairs,

@@ -166,7 +166,7 @@ def test_the_test_stage_runs_the_charts_pod(chart_dir):
     from factory.chart.run import pod_options
     from service import image_contract
 
-    options = pod_options(chart_dir, "inferkiln/tiny-llama:0.1.0-local", release="t")
+    options = pod_options(chart_dir, "inferkiln/tiny-llama:0.1.0-local", release="t").main
     assert options["user"] == f"{image_contract.UID}:{image_contract.UID}" and options["read_only"]
     assert options["cap_drop"] == ["ALL"] and options["environment"]["NIM_SERVED_MODEL_NAME"] == "tiny-llama"
     assert {image_contract.CACHE_PATH, "/tmp"} <= set(options["tmpfs"])

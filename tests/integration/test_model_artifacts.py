@@ -169,3 +169,45 @@ def test_a_layer_path_that_leaves_the_cache_is_refused(repo, tmp_path, keys):
     assert result.returncode == 1 and "no usable file path" in result.stderr
     assert not list(tmp_path.rglob("escaped"))
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def oci_spec(directory: Path, source: str, public: Path) -> Path:
+    shutil.copyfile(public, directory / "model-signing.pub")
+    spec = directory / "tiny-oci.yaml"
+    spec.write_text(f"""apiVersion: inferkiln/v1
+kind: ModelSpec
+metadata: {{name: tiny-oci, version: 0.1.0}}
+model: {{source: "oci://{source}", served_name: tiny-llama, bake: false, verify_key: model-signing.pub}}
+runtime: {{flavor: cpu}}
+profiles: [{{engine: torch, precision: fp32, tp: 1, gpu: cpu}}]
+resources: {{gpus: 0, cpu: "2", memory: 4Gi}}
+""")
+    return spec
+
+
+@pytest.mark.slow
+def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_model_dir, keys, tmp_path):
+    """`bake: false`: the image holds no weights; the chart's init container pulls and verifies them
+    into the cache the server mounts. Weights altered under the same tag and not re-signed never serve."""
+    from factory.stack import stack_up
+
+    stack_up()
+    private, public = keys
+    pinned = push_model(tiny_model_dir, repo, "tiny").ref
+    sign_artifact(pinned, private)
+    spec = oci_spec(tmp_path, str(pinned), public)
+    served = inferkiln("chart", "run", str(spec), "--json")
+    assert served.returncode == 0, served.stderr[-3000:]
+    result = json.loads(served.stdout)
+    assert result["initContainer download-to-cache"] == "completed"
+    assert all(result[p].endswith(": ok") for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    altered = tmp_path / "altered"
+    shutil.copytree(tiny_model_dir, altered)
+    with (altered / "model.safetensors").open("r+b") as weights:
+        weights.seek(-4, os.SEEK_END)
+        weights.write(b"\x00\x00\x80\x7f")
+    moved = push_model(altered, repo, "tiny").ref
+    assert moved.tag == pinned.tag and moved.digest != pinned.digest
+    refused = inferkiln("chart", "run", str(oci_spec(tmp_path, str(moved), public)))
+    assert refused.returncode == 1
+    assert f"{moved.digest}: no signature" in refused.stderr and "readinessProbe" not in refused.stdout

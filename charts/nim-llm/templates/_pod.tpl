@@ -14,6 +14,21 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- if .Values.modelStore.initContainer }}
+initContainers:
+  - name: download-to-cache
+    image: {{ include "nim-llm.image" . | quote }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["download-to-cache"]
+    securityContext:
+      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
+    env:
+      {{- include "nim-llm.env" . | nindent 6 }}
+    resources:
+      {{- toYaml .Values.resources | nindent 6 }}
+    volumeMounts:
+      {{- include "nim-llm.volumeMounts" . | nindent 6 }}
+{{- end }}
 containers:
   - name: nim-llm
     image: {{ include "nim-llm.image" . | quote }}
@@ -21,19 +36,7 @@ containers:
     securityContext:
       {{- toYaml .Values.containerSecurityContext | nindent 6 }}
     env:
-      - {name: NIM_CACHE_PATH, value: {{ .Values.model.nimCache | quote }}}
-      - {name: NIM_SERVER_PORT, value: {{ .Values.model.openaiPort | quote }}}
-      - {name: NIM_JSONL_LOGGING, value: {{ ternary "1" "0" .Values.model.jsonLogging | quote }}}
-      - {name: NIM_LOG_LEVEL, value: {{ .Values.model.logLevel | quote }}}
-      {{- with .Values.model.name }}
-      - {name: NIM_SERVED_MODEL_NAME, value: {{ . | quote }}}
-      {{- end }}
-      {{- with .Values.model.profile }}
-      - {name: NIM_MODEL_PROFILE, value: {{ . | quote }}}
-      {{- end }}
-      {{- with .Values.env }}
-      {{- toYaml . | nindent 6 }}
-      {{- end }}
+      {{- include "nim-llm.env" . | nindent 6 }}
     ports:
       - name: http
         containerPort: {{ .Values.model.openaiPort }}
@@ -47,12 +50,7 @@ containers:
     resources:
       {{- toYaml .Values.resources | nindent 6 }}
     volumeMounts:
-      - {name: model-cache, mountPath: {{ .Values.model.nimCache | quote }}}
-      - {name: tmp, mountPath: /tmp}
-      - {name: dshm, mountPath: /dev/shm}
-      {{- with .Values.extraVolumeMounts }}
-      {{- toYaml . | nindent 6 }}
-      {{- end }}
+      {{- include "nim-llm.volumeMounts" . | nindent 6 }}
 volumes:
   {{- if not (and .Values.statefulSet.enabled .Values.persistence.enabled (not .Values.persistence.existingClaim)) }}
   - name: model-cache
@@ -79,6 +77,15 @@ volumes:
       {{- with .Values.shmSize }}
       sizeLimit: {{ . }}
       {{- end }}
+  {{- with .Values.modelStore.verifyKey }}
+  {{- if .secretName }}
+  - name: model-verify-key
+    secret: {secretName: {{ .secretName | quote }}, items: [{key: {{ .key | quote }}, path: {{ .key | quote }}}]}
+  {{- else if .configMapName }}
+  - name: model-verify-key
+    configMap: {name: {{ .configMapName | quote }}, items: [{key: {{ .key | quote }}, path: {{ .key | quote }}}]}
+  {{- end }}
+  {{- end }}
   {{- with .Values.extraVolumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -117,5 +124,45 @@ annotations:
   prometheus.io/scrape: "true"
   prometheus.io/path: /v1/metrics
   prometheus.io/port: {{ .Values.model.openaiPort | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The environment of the server and of the init container that fills its cache.
+*/}}
+{{- define "nim-llm.env" -}}
+- {name: NIM_CACHE_PATH, value: {{ .Values.model.nimCache | quote }}}
+- {name: NIM_SERVER_PORT, value: {{ .Values.model.openaiPort | quote }}}
+- {name: NIM_JSONL_LOGGING, value: {{ ternary "1" "0" .Values.model.jsonLogging | quote }}}
+- {name: NIM_LOG_LEVEL, value: {{ .Values.model.logLevel | quote }}}
+{{- with .Values.model.name }}
+- {name: NIM_SERVED_MODEL_NAME, value: {{ . | quote }}}
+{{- end }}
+{{- with .Values.model.profile }}
+- {name: NIM_MODEL_PROFILE, value: {{ . | quote }}}
+{{- end }}
+{{- if not .Values.modelStore.verify }}
+- {name: NIM_MODEL_VERIFY, value: "0"}
+{{- end }}
+{{- if or .Values.modelStore.verifyKey.secretName .Values.modelStore.verifyKey.configMapName }}
+- {name: NIM_MODEL_VERIFY_KEY, value: {{ printf "/etc/nim/model-verify-key/%s" .Values.modelStore.verifyKey.key | quote }}}
+{{- end }}
+{{- with .Values.env }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The volumes the server and the init container mount.
+*/}}
+{{- define "nim-llm.volumeMounts" -}}
+- {name: model-cache, mountPath: {{ .Values.model.nimCache | quote }}}
+- {name: tmp, mountPath: /tmp}
+- {name: dshm, mountPath: /dev/shm}
+{{- if or .Values.modelStore.verifyKey.secretName .Values.modelStore.verifyKey.configMapName }}
+- {name: model-verify-key, mountPath: /etc/nim/model-verify-key, readOnly: true}
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{- toYaml . | nindent 0 }}
 {{- end }}
 {{- end }}
