@@ -383,6 +383,38 @@ def model_verify(ref: Annotated[str, typer.Argument(help="REGISTRY/REPO[:TAG|@sh
          f"verified {verified.artifact} against key {verified.key}")
 
 
+bundle_app = typer.Typer(no_args_is_help=True, help="A release carried into an air gap: one OCI image layout tar.")
+app.add_typer(bundle_app, name="bundle")
+
+
+@bundle_app.command("export")
+def bundle_export(release: Annotated[str, typer.Argument(help="MODEL[:VERSION] from the catalog; newest by default.")],
+                  out: Annotated[Path, typer.Option("-o", "--out", help="The tar to write.")]) -> None:
+    """Write the release's image, SBOM, chart, model artifact and signature as one OCI image layout."""
+    from factory.release.bundle import export_bundle, find_release
+
+    def work():
+        found = find_release(release)
+        return found, export_bundle(found, out)
+
+    found, blobs = guarded("bundle export", work)
+    typer.echo(f"{found.name} {found.version}: {blobs} blobs, {out.stat().st_size} bytes\n{out}")
+
+
+@bundle_app.command("import")
+def bundle_import(bundle: Annotated[Path, typer.Argument(help="A tar written by `inferkiln bundle export`.")],
+                  registry: Annotated[str, typer.Option(help="HOST[:PORT] of the registry to load it into.")],
+                  charts: Annotated[Path, typer.Option(help="Where the rewritten chart package goes.")] = Path("build/charts"),
+                  as_json: JsonFlag = False) -> None:
+    """Load a bundle into a registry, point the chart at it, and record the release there."""
+    from factory.release.bundle import import_bundle
+
+    imported = guarded("bundle import", lambda: import_bundle(bundle, registry, charts))
+    r = imported.release
+    emit(r.model_dump(), as_json, f"{imported.manifests} manifests into {registry} ({imported.blobs} blobs sent)\n"
+                                  f"{r.image.reference}@{r.image.digest}\n{r.chart.reference}@{r.chart.digest}")
+
+
 @app.command("tiny-model")
 def tiny_model(out: Annotated[Path | None, typer.Option("--out", help="Directory to write; default: the cache.")] = None) -> None:
     """Make (or reuse from its cache) the bundled tiny model; print its directory last."""

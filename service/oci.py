@@ -131,9 +131,13 @@ def descriptor(ref: Ref) -> dict:
 
 def put_manifest(ref: Ref, manifest: dict, media_type: str = MANIFEST_TYPE) -> str:
     """Store `manifest` under `ref`'s tag (or by its digest) and return its digest."""
-    body = _canonical(manifest)
+    return put_manifest_bytes(ref, _canonical(manifest), media_type)
+
+
+def put_manifest_bytes(ref: Ref, body: bytes, media_type: str) -> str:
+    """Store a manifest exactly as `body` (its digest is that of these bytes) under `ref`'s tag, or by digest."""
     digest = "sha256:" + hashlib.sha256(body).hexdigest()
-    target = ref if ref.tag else ref.at(digest)
+    target = replace(ref, digest=None) if ref.tag else ref.at(digest)
     response = _request(ref, target.manifest_url(), "PUT", headers={"Content-Type": media_type}, data=body)
     if response.status_code not in (200, 201):
         raise OciError(f"{target}: the registry refused the manifest ({response.status_code}): {response.text[:300]}")

@@ -49,7 +49,7 @@ def model_values(loaded: LoadedSpec, repository: str, tag: str) -> dict[str, Any
                               "model": {"name": spec.served_name},
                               "resources": {"requests": requests, "limits": limits}}
     if not spec.model.bake:  # the weights are not in the image: an init container fills the cache
-        values["modelStore"] = {"initContainer": True}
+        values["modelStore"] = {"initContainer": True, "source": spec.model.source}
     if spec.resources.gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.resources.gpus
         values["shmSize"] = GPU_SHM_SIZE  # the chart adds the GPU toleration to a pod with a GPU limit

@@ -141,6 +141,9 @@ The environment of the server and of the init container that fills its cache.
 {{- with .Values.model.profile }}
 - {name: NIM_MODEL_PROFILE, value: {{ . | quote }}}
 {{- end }}
+{{- with .Values.modelStore.source }}
+- {name: NIM_MODEL_PATH, value: {{ . | quote }}}
+{{- end }}
 {{- if not .Values.modelStore.verify }}
 - {name: NIM_MODEL_VERIFY, value: "0"}
 {{- end }}
