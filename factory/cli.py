@@ -315,7 +315,8 @@ def run_pipeline(pipeline: Annotated[Path, typer.Argument(help="A pipeline file 
 model_app = typer.Typer(no_args_is_help=True, help="Model weights as signed OCI artifacts (CNCF ModelPack, "
                         "OpenSSF model-signing).")
 app.add_typer(model_app, name="model")
-KeyFile = Annotated[Path, typer.Option("--key", help="PEM key: the private one to sign, the public one to verify.")]
+KeyFile = Annotated[Path, typer.Option("--key", help="PEM: the private key to sign; to verify, the public key "
+                                                    "or the CA certificate(s) trusted.")]
 
 
 def model_ref(text: str):
@@ -363,11 +364,15 @@ def model_push(source: Annotated[Path, typer.Argument(help="A model directory, o
 
 @model_app.command("sign")
 def model_sign(ref: Annotated[str, typer.Argument(help="REGISTRY/REPO[:TAG|@sha256:...] of a model artifact.")],
-               key: KeyFile, as_json: JsonFlag = False) -> None:
+               key: KeyFile,
+               cert: Annotated[Path | None, typer.Option("--cert", help="Sign as this certificate (PEM) of the key.")] = None,
+               chain: Annotated[list[Path], typer.Option("--chain", help="The certificates up to the CA (PEM), "
+                                                                        "issuer first; repeat for more.")] = [],
+               as_json: JsonFlag = False) -> None:
     """Sign the artifact's files with OpenSSF model-signing; store the signature as its referrer."""
     from factory.model.signing import sign_artifact
 
-    signed = guarded("model sign", with_registry(lambda: sign_artifact(model_ref(ref), key)))
+    signed = guarded("model sign", with_registry(lambda: sign_artifact(model_ref(ref), key, cert, tuple(chain))))
     emit({k: str(v) for k, v in vars(signed).items()}, as_json,
          f"signed {signed.artifact} with key {signed.key}\nsignature {signed.signature}")
 

@@ -31,7 +31,8 @@ class Signed:
     key: str  # the signing key's identity (sha256 of its public half)
 
 
-def sign_artifact(ref: Ref, private_key: Path) -> Signed:
+def sign_artifact(ref: Ref, private_key: Path, certificate: Path | None = None, chain: tuple[Path, ...] = ()) -> Signed:
+    """Sign with the key, or, given its certificate (and the chain up to the CA), as that certificate."""
     from model_signing import hashing, signing
 
     _, digest, _ = get_manifest(ref)
@@ -39,10 +40,15 @@ def sign_artifact(ref: Ref, private_key: Path) -> Signed:
     with tempfile.TemporaryDirectory() as scratch:
         model, bundle = Path(scratch) / "model", Path(scratch) / "model.sig"
         pull_model(pinned, model)
-        config = signing.Config().use_elliptic_key_signer(private_key=private_key)
+        config = signing.Config()
+        if certificate is None:
+            config.use_elliptic_key_signer(private_key=private_key)
+        else:
+            config.use_certificate_signer(private_key=private_key, signing_certificate=certificate,
+                                          certificate_chain=list(chain))
         config.set_hashing_config(hashing.Config().set_ignored_paths(paths=[], ignore_git_paths=True))
         config.sign(model, bundle)
-        key = key_identity(private_key)
+        key = key_identity(chain[-1] if certificate and chain else certificate or private_key)
         signature = push_referrer(pinned, SIGNATURE_TYPE, [(bundle, SIGNATURE_TYPE)],
                                   {"io.inferkiln.model-signing.key": key}, Path(scratch))
     return Signed(pinned, signature, key)

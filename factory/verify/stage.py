@@ -54,12 +54,29 @@ def _test_running(client, loaded: LoadedSpec, image_reference: str, report_dir: 
     try:
         ready = time.perf_counter() - start
         report = run_harness(running.url, loaded.spec.served_name, config, report_dir, pairs=pairs,
-                             model_dir=loaded.local_source(), progress=progress)
+                             model_dir=harness_weights(loaded, progress), progress=progress)
     finally:
         (report_dir / "container.log").write_text(running.logs(500))
         running.stop()
     return report.model_copy(update={"image": image_reference, "start_to_ready_s": round(ready, 2),
                                      "hardware": host_hardware()})
+
+
+def harness_weights(loaded: LoadedSpec, progress: Progress) -> Path | None:
+    """The weights the harness compares the server with (transformers parity, lm-eval's tokenizer):
+    the spec's local source, or its oci:// model pulled and verified into the factory's cache."""
+    from factory.paths import cache_dir
+    from service.model_store import ModelSourceError, Trust, locate_model
+
+    source = loaded.spec.model.source
+    if not source.startswith("oci://"):
+        return loaded.local_source()
+    try:
+        return locate_model(source, cache_path=cache_dir() / "models", base_dir=None, name=loaded.spec.metadata.name,
+                            allow_download=True, trust=Trust(True, loaded.verify_key())).path
+    except ModelSourceError as exc:
+        progress(f"no local copy of the weights for the parity check: {exc}")
+        return None
 
 
 def host_hardware() -> str:

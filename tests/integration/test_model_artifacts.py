@@ -19,9 +19,10 @@ from factory.model.push import push_model
 from factory.model.signing import sign_artifact
 from factory.stack import ensure_registry
 from service.launcher import ServerProcess
+from service.model_signature import key_identity
 from service.modelpack import ARTIFACT_TYPE, CONFIG_TYPE, FILEPATH, SIGNATURE_TYPE, WEIGHT, WEIGHT_CONFIG
 from service.oci import MANIFEST_TYPE, Ref, add_referrer, file_descriptor, get_manifest, push_blob, put_manifest, referrers
-from tests.unit.test_model_artifacts import key_pair
+from tests.unit.test_model_artifacts import certificate_authority, key_pair
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,18 @@ def test_sign_and_verify_through_the_cli(repo, tiny_model_dir, keys, tmp_path):
     assert bad_ref.returncode == 2 and "expected" in bad_ref.stderr
 
 
+def test_sign_as_a_certificate_and_verify_against_its_ca(repo, tiny_model_dir, tmp_path):
+    ca, leaf, key = certificate_authority(tmp_path)
+    push_model(tiny_model_dir, repo, "tiny")
+    signed = inferkiln("model", "sign", str(repo), "--key", str(key), "--cert", str(leaf), "--chain", str(ca), "--json")
+    assert signed.returncode == 0, signed.stderr
+    assert json.loads(signed.stdout)["key"] == key_identity(ca)
+    verified = inferkiln("model", "verify", str(repo), "--key", str(ca))
+    assert verified.returncode == 0, verified.stderr
+    other = certificate_authority(tmp_path, "other-ca")[0]
+    assert inferkiln("model", "verify", str(repo), "--key", str(other)).returncode == 1
+
+
 def test_the_runtime_serves_a_verified_artifact_from_its_cache(repo, tiny_model_dir, keys, tmp_path):
     private, public = keys
     pinned = push_model(tiny_model_dir, repo, "tiny").ref
@@ -122,18 +135,23 @@ def test_the_runtime_serves_a_verified_artifact_from_its_cache(repo, tiny_model_
     assert source in line and "Hash mismatch for 'model.safetensors'" in line
 
 
+def push_altered(model_dir: Path, repo: Ref, scratch: Path) -> Ref:
+    """The model with one weight changed, pushed under the same tag (and not signed)."""
+    altered = scratch / "altered"
+    shutil.copytree(model_dir, altered)
+    with (altered / "model.safetensors").open("r+b") as weights:
+        weights.seek(-4, os.SEEK_END)
+        weights.write(b"\x00\x00\x80\x7f")
+    return push_model(altered, repo, "tiny").ref
+
+
 def test_weights_altered_in_the_registry_are_refused(repo, tiny_model_dir, keys, tmp_path):
     """The same tag pushed again with other weights and not re-signed: no signature; with the old
     signature copied onto it (as an attacker could), a mismatch."""
     private, public = keys
     original = push_model(tiny_model_dir, repo, "tiny").ref
     sign_artifact(original, private)
-    altered = tmp_path / "altered"
-    shutil.copytree(tiny_model_dir, altered)
-    with (altered / "model.safetensors").open("r+b") as weights:
-        weights.seek(-4, os.SEEK_END)
-        weights.write(b"\x00\x00\x80\x7f")
-    moved = push_model(altered, repo, "tiny").ref
+    moved = push_altered(tiny_model_dir, repo, tmp_path)
     env = {"NIM_CACHE_PATH": str(tmp_path / "cache"), "NIM_MODEL_VERIFY_KEY": str(public),
            "NIM_MANIFEST_PATH": str(tmp_path / "none.yaml")}
     unsigned = service("serve", "--model", f"oci://{repo}", env=env)
@@ -201,12 +219,7 @@ def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_
     result = json.loads(served.stdout)
     assert result["initContainer download-to-cache"] == "completed"
     assert all(result[p].endswith(": ok") for p in ("startupProbe", "readinessProbe", "livenessProbe"))
-    altered = tmp_path / "altered"
-    shutil.copytree(tiny_model_dir, altered)
-    with (altered / "model.safetensors").open("r+b") as weights:
-        weights.seek(-4, os.SEEK_END)
-        weights.write(b"\x00\x00\x80\x7f")
-    moved = push_model(altered, repo, "tiny").ref
+    moved = push_altered(tiny_model_dir, repo, tmp_path)
     assert moved.tag == pinned.tag and moved.digest != pinned.digest
     refused = inferkiln("chart", "run", str(oci_spec(tmp_path, str(moved), public)))
     assert refused.returncode == 1

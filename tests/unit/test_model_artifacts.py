@@ -135,3 +135,59 @@ profiles: [{{engine: torch, precision: fp32, tp: 1, gpu: cpu}}]
     assert model_to_push(spec) == (tiny_model_dir, "tiny", "1.2.0")
     with pytest.raises(InputError, match="not a model directory"):
         model_to_push(tmp_path)
+
+
+def certificate_authority(directory: Path, name: str = "ca") -> tuple[Path, Path, Path]:
+    """A CA certificate, and a code-signing certificate it issued with that certificate's key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def named(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    usage = dict(content_commitment=False, key_encipherment=False, data_encipherment=False, key_agreement=False,
+                 encipher_only=False, decipher_only=False)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+
+    def issue(subject: str, public, **extensions) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(named(subject)).issuer_name(named(name)).public_key(public)
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+                   .not_valid_after(now + datetime.timedelta(days=30)))
+        for extension, critical in extensions.values():
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    ca = issue(name, ca_key.public_key(), basic=(x509.BasicConstraints(ca=True, path_length=None), True),
+               usage=(x509.KeyUsage(digital_signature=False, key_cert_sign=True, crl_sign=True, **usage), True))
+    leaf = issue("model-signer", key.public_key(),
+                 usage=(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, **usage), True),
+                 eku=(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), False))
+    paths = directory / f"{name}.pem", directory / f"{name}-leaf.pem", directory / f"{name}-leaf-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def test_a_certificate_signature_verifies_against_its_ca_only(tmp_path):
+    from model_signing import signing
+
+    model, _, _, public = signed_model(tmp_path)
+    ca, leaf, key = certificate_authority(tmp_path)
+    signature = tmp_path / "cert.sig"
+    signing.Config().use_certificate_signer(private_key=key, signing_certificate=leaf,
+                                            certificate_chain=[ca]).sign(model, signature)
+    assert verify_model(model, signature, ca) == key_identity(ca)
+    with pytest.raises(SignatureError, match="made with a certificate, but .* holds a key"):
+        verify_model(model, signature, public)
+    other, _, _ = certificate_authority(tmp_path, "other-ca")
+    with pytest.raises(SignatureError):
+        verify_model(model, signature, other)
+    (model / "config.json").write_text('{"changed": true}')
+    with pytest.raises(SignatureError, match="Hash mismatch for 'config.json'"):
+        verify_model(model, signature, ca)
