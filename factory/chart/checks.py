@@ -30,6 +30,7 @@ MATRIX: dict[str, dict[str, Any]] = {
     "modelStore": {"modelStore": {"initContainer": True, "verifyKey": {"configMapName": "model-keys"}},
                    "persistence": {"enabled": True, "existingClaim": "model-cache", "accessMode": "ReadWriteMany"},
                    "replicaCount": 2},
+    "ephemeralCache": {"modelStore": {"initContainer": True}, "ephemeralVolume": {"enabled": True, "size": "30Gi"}},
 }
 # Kinds from CRDs: kubernetes-validate has no schema for them; their pod templates are still checked.
 CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}

@@ -35,7 +35,8 @@ def workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
 class PodRun:
     """A pod as Docker runs it: its init containers (image, options), each to completion in order,
     then the server's options. An emptyDir that an init container fills is a Docker volume the
-    server mounts too (removed after the run), as containers of one pod share it."""
+    server mounts too, as containers of one pod share it; so is a generic ephemeral volume. Both are
+    removed after the run, as they are with the pod."""
 
     main: dict[str, Any]
     init: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -45,8 +46,8 @@ class PodRun:
 def pod_run(pod: dict[str, Any], release: str) -> PodRun:
     inits = pod.get("initContainers") or []
     mounted = {m["name"] for c in inits for m in c.get("volumeMounts", [])}
-    shared = {v["name"]: f"inferkiln-{release}-{v['name']}-{uuid.uuid4().hex[:8]}"
-              for v in pod.get("volumes", []) if "emptyDir" in v and v["name"] in mounted}
+    shared = {v["name"]: f"inferkiln-{release}-{v['name']}-{uuid.uuid4().hex[:8]}" for v in pod.get("volumes", [])
+              if ("emptyDir" in v and v["name"] in mounted) or "ephemeral" in v}  # ephemeral: a claim per pod
     # An init container runs on the host's network: the registry it pulls from listens on loopback
     # here, where a pod would reach it over the cluster's network.
     init = [(c["image"], docker_options(pod, release, c, shared) | {"network_mode": "host"}) for c in inits]

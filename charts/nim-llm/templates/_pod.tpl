@@ -57,6 +57,20 @@ volumes:
     {{- if .Values.persistence.enabled }}
     persistentVolumeClaim:
       claimName: {{ .Values.persistence.existingClaim | default (include "nim-llm.fullname" .) }}
+    {{- else if .Values.ephemeralVolume.enabled }}
+    ephemeral:
+      volumeClaimTemplate:
+        metadata:
+          labels:
+            {{- include "nim-llm.selectorLabels" . | nindent 12 }}
+        spec:
+          accessModes: [ReadWriteOnce]
+          {{- with .Values.ephemeralVolume.storageClass }}
+          storageClassName: {{ . }}
+          {{- end }}
+          resources:
+            requests:
+              storage: {{ .Values.ephemeralVolume.size }}
     {{- else if .Values.hostPath }}
     hostPath:
       path: {{ .Values.hostPath }}
