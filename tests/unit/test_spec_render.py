@@ -45,11 +45,18 @@ def test_sample_spec_is_valid(tiny_model_dir, tmp_path):
     assert loaded.local_source() == tiny_model_dir
 
 
+OCI = "oci://127.0.0.1:5000/models/tiny:0.1.0@sha256:" + "a" * 64
+
+
 @pytest.mark.parametrize("changes,field,words", [
     ({"apiVersion": "inferkiln/v2"}, "apiVersion", "'inferkiln/v1'"),
     ({"metadata.name": "Tiny_Llama"}, "metadata.name", "lower-case"),
     ({"metadata.version": "one"}, "metadata.version", "semantic version"),
-    ({"model.source": "s3://bucket/x"}, "model.source", "local://<dir> or hf://"),
+    ({"model.source": "s3://bucket/x"}, "model.source", "local://<dir>, hf://org/name[@revision] or oci://"),
+    ({"model.source": "oci://r.io/m:v1"}, "model.source", "an oci:// source is named by digest"),
+    ({"model.source": OCI}, "model", "bake: an oci:// model is pulled into the cache at start"),
+    ({"model.source": OCI, "model.bake": False}, "model", "verify_key: an oci:// model is served only once"),
+    ({"model.verify_key": "absent.pem"}, "model.verify_key", "no file at"),
     ({"runtime.flavor": "tpu"}, "runtime.flavor", "'cpu', 'vllm-cpu' or 'cuda'"),
     ({"profiles.0.engine": "vllm"}, "profiles.0.engine", "runtime.flavor 'cpu' runs torch; got 'vllm'"),
     ({"profiles.0.precision": "fp7"}, "profiles.0.precision", "one of"),
@@ -129,6 +136,25 @@ def test_cuda_flavor_renders_on_our_base_with_its_lock_and_the_toolkits_env(tiny
 def test_unbaked_model_keeps_its_source(tiny_model_dir, tmp_path):
     loaded = load_spec(write_spec(tmp_path, tiny_model_dir, **{"model.bake": False}))
     assert model_manifest(loaded).model.source == f"local://{tiny_model_dir}"
+
+
+def test_a_model_free_image_carries_the_key_and_its_chart_fills_the_cache(tiny_model_dir, tmp_path):
+    (tmp_path / "pub.pem").write_text("-----BEGIN PUBLIC KEY-----\n")
+    path = write_spec(tmp_path, tiny_model_dir, **{"model.source": OCI, "model.bake": False,
+                                                   "model.verify_key": "pub.pem"})
+    contexts, chart = Runner(path).render(tmp_path / "out")
+    model = (contexts.model_dir / "Dockerfile").read_text()
+    assert "COPY model/" not in model and not (contexts.model_dir / "model").exists()
+    assert f"COPY verify-key.pem {contract.MODEL_VERIFY_KEY}" in model
+    assert f'ENV NIM_MODEL_VERIFY_KEY="{contract.MODEL_VERIFY_KEY}"' in model
+    assert yaml.safe_load((contexts.model_dir / "model_manifest.yaml").read_text())["model"]["source"] == OCI
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    assert values["modelStore"] | {"verifyKey": None} == {"initContainer": True, "source": OCI, "verify": True,
+                                                          "verifyKey": None}
+    other_key = Runner(write_spec(tmp_path, tiny_model_dir, **{
+        "model.source": OCI, "model.bake": False, "model.verify_key": "pub.pem"})).plan().model_digest
+    (tmp_path / "pub.pem").write_text("-----BEGIN PUBLIC KEY-----\nother\n")
+    assert Runner(path).plan().model_digest != other_key, "the key is an input of the image"
 
 
 def test_chart_values_follow_the_spec(tiny_model_dir, tmp_path):
