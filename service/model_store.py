@@ -73,6 +73,7 @@ class Trust:
 
     verify: bool = True
     key: Path | None = None
+    mount: Path | None = None  # NIM_MODEL_MOUNT: the artifact's files, mounted by the kubelet (an image volume)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ def locate_model(source: str, *, cache_path: Path, base_dir: Path | None, name: 
     (download-to-cache) where serving reads them in place."""
     if source.startswith("oci://"):
         return _resolve_oci(source, cache_path, allow_download, trust)
+    if trust.mount is not None:
+        raise ModelSourceError(f"{source}: NIM_MODEL_MOUNT names where an oci:// model is mounted; this source is not one")
     fetch = download_to_cache if into_cache else resolve_model
     path = fetch(source, cache_path=cache_path, base_dir=base_dir, name=name, allow_download=allow_download)
     if not trust.verify:
@@ -99,24 +102,43 @@ def _resolve_oci(source: str, cache_path: Path, allow_download: bool, trust: Tru
 
     try:
         ref = Ref.parse(source)
-        entry = _oci_entry(ref, cache_path, allow_download)
+        if trust.mount is not None:
+            entry = _mounted_entry(ref, trust.mount, cache_path, allow_download)
+        else:
+            entry = _oci_entry(ref, cache_path, allow_download)
     except OciError as exc:
         raise ModelSourceError(f"{source}: {exc}") from None
     pinned = f"oci://{ref.name}@sha256:{entry.name}"
+    model = trust.mount or entry / "model"
     if not trust.verify:
         log.warning("model verification is off (NIM_MODEL_VERIFY=0): serving %s unverified", pinned)
-        return Located(entry / "model", Verification("disabled", artifact=pinned))
+        return Located(model, Verification("disabled", artifact=pinned))
     if trust.key is None:
         raise ModelSourceError(f"{source}: NIM_MODEL_VERIFY_KEY is not set, and a model from an oci:// source must "
                                "verify against it (NIM_MODEL_VERIFY=0 serves it unverified)")
     if not (entry / "model.sig").is_file():
         raise ModelSourceError(f"{pinned}: no signature: the artifact has no model-signing referrer")
     try:
-        key = verify_model(entry / "model", entry / "model.sig", trust.key)
+        key = verify_model(model, entry / "model.sig", trust.key)
     except SignatureError as exc:
-        raise ModelSourceError(f"{pinned}: does not verify against {trust.key}: {exc}") from None
+        raise ModelSourceError(f"{pinned}{f' (mounted at {model})' if trust.mount else ''}: does not verify "
+                               f"against {trust.key}: {exc}") from None
     log.info("model %s verified against key %s", pinned, key)
-    return Located(entry / "model", Verification("verified", key=key, artifact=pinned))
+    return Located(model, Verification("verified", key=key, artifact=pinned))
+
+
+def _mounted_entry(ref, mount: Path, cache_path: Path, allow_download: bool) -> Path:
+    """The cache entry that holds the signature of an artifact the kubelet mounted: the source must
+    be pinned (the mount is of that digest); only the signature is pulled."""
+    if not ref.digest:
+        raise ModelSourceError(f"oci://{ref}: NIM_MODEL_MOUNT needs the source pinned by digest (the mounted one)")
+    if not mount.is_dir():
+        raise ModelSourceError(f"oci://{ref}: NIM_MODEL_MOUNT names no directory ({mount})")
+    entry = cache_path / "oci" / ref.registry.replace(":", "_") / ref.repository / ref.digest.removeprefix("sha256:")
+    entry.mkdir(parents=True, exist_ok=True)
+    if allow_download and not (entry / "model.sig").is_file():
+        _pull_signature(ref, entry)
+    return entry
 
 
 def _oci_entry(ref, cache_path: Path, allow_download: bool) -> Path:

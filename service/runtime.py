@@ -127,7 +127,8 @@ def select(settings: Settings) -> Selection:
 
 
 def trust(settings: Settings) -> Trust:
-    return Trust(settings.model_verify, Path(settings.model_verify_key) if settings.model_verify_key else None)
+    return Trust(settings.model_verify, Path(settings.model_verify_key) if settings.model_verify_key else None,
+                 Path(settings.model_mount) if settings.model_mount else None)
 
 
 def build_runtime(settings: Settings, selection: Selection | None = None) -> Runtime:

@@ -54,6 +54,9 @@ class Settings(BaseModel):
         "NIM_TENSOR_PARALLEL_SIZE", "--tensor-parallel-size", "Overrides the profile's tp.", default=None, ge=1)
     disable_model_download: bool = _opt(
         "NIM_DISABLE_MODEL_DOWNLOAD", "--disable-model-download", "1 = never fetch weights; fail if absent.", default=False)
+    model_mount: str | None = _opt(
+        "NIM_MODEL_MOUNT", "--model-mount", "Where the oci:// model of NIM_MODEL_PATH is mounted (a Kubernetes image "
+        "volume): served from there and verified against its signature, not pulled.", default=None)
     model_verify: bool = _opt(
         "NIM_MODEL_VERIFY", "--model-verify", "0 = serve a model that is unsigned or does not verify (reported in "
         "/v1/metadata and the logs); 1 = a model from an oci:// source must verify against NIM_MODEL_VERIFY_KEY.",

@@ -30,11 +30,16 @@ MATRIX: dict[str, dict[str, Any]] = {
     "modelStore": {"modelStore": {"initContainer": True, "verifyKey": {"configMapName": "model-keys"}},
                    "persistence": {"enabled": True, "existingClaim": "model-cache", "accessMode": "ReadWriteMany"},
                    "replicaCount": 2},
+    # the weights mounted as an image volume (a runtime that mounts OCI artifacts), the signature checked
+    "imageVolume": {"modelStore": {"initContainer": True, "imageVolume": True,
+                                   "source": "oci://registry.local/models/tiny@sha256:" + "0" * 64}},
     "ephemeralCache": {"modelStore": {"initContainer": True}, "ephemeralVolume": {"enabled": True, "size": "30Gi"}},
 }
 # Kinds from CRDs: kubernetes-validate has no schema for them; their pod templates are still checked.
 CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+# The restricted Pod Security Standard's volume types. Pod Security admission admits `image` volumes
+# under it since Kubernetes 1.33 (kubernetes/kubernetes#130394), though its documentation's list lags.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "image", "persistentVolumeClaim",
                       "projected", "secret"}
 
 

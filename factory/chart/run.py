@@ -9,6 +9,8 @@ budget (`initialDelaySeconds + periodSeconds * failureThreshold`), so a run take
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ class PodRun:
     main: dict[str, Any]
     init: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     volumes: list[str] = field(default_factory=list)
+    artifacts: dict[str, Path] = field(default_factory=dict)  # image volumes: reference -> host directory
 
 
 def pod_run(pod: dict[str, Any], release: str) -> PodRun:
@@ -48,10 +51,13 @@ def pod_run(pod: dict[str, Any], release: str) -> PodRun:
     mounted = {m["name"] for c in inits for m in c.get("volumeMounts", [])}
     shared = {v["name"]: f"inferkiln-{release}-{v['name']}-{uuid.uuid4().hex[:8]}" for v in pod.get("volumes", [])
               if ("emptyDir" in v and v["name"] in mounted) or "ephemeral" in v}  # ephemeral: a claim per pod
+    artifacts = {v["image"]["reference"]: Path(tempfile.mkdtemp(prefix="inferkiln-image-volume-"))
+                 for v in pod.get("volumes", []) if "image" in v}
     # An init container runs on the host's network: the registry it pulls from listens on loopback
     # here, where a pod would reach it over the cluster's network.
-    init = [(c["image"], docker_options(pod, release, c, shared) | {"network_mode": "host"}) for c in inits]
-    return PodRun(docker_options(pod, release, pod["containers"][0], shared), init, list(shared.values()))
+    init = [(c["image"], docker_options(pod, release, c, shared, artifacts) | {"network_mode": "host"}) for c in inits]
+    return PodRun(docker_options(pod, release, pod["containers"][0], shared, artifacts), init, list(shared.values()),
+                  artifacts)
 
 
 @contextlib.contextmanager
@@ -59,6 +65,8 @@ def init_containers_run(client, run: PodRun, timeout: float = 1800) -> Iterator[
     """Run the pod's init containers to completion (a failure raises ChartError with its log);
     remove the volumes they shared once the block ends."""
     try:
+        for reference, directory in run.artifacts.items():
+            _mount_artifact(reference, directory)
         for image, options in run.init:
             container = client.containers.run(image, detach=True, **options)
             try:
@@ -73,10 +81,26 @@ def init_containers_run(client, run: PodRun, timeout: float = 1800) -> Iterator[
         for name in run.volumes:
             with contextlib.suppress(Exception):  # absent when no init container got to create it
                 client.volumes.get(name).remove(force=True)
+        for directory in run.artifacts.values():
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mount_artifact(reference: str, directory: Path) -> None:
+    """What a kubelet whose runtime mounts OCI artifacts (CRI-O) does for an image volume, done here
+    where no cluster runs: the ModelPack artifact's files, pulled by digest, readable by the pod's user."""
+    from service.modelpack import pull_model
+    from service.oci import OciError, Ref
+
+    try:
+        pull_model(Ref.parse(reference), directory / "files")
+    except OciError as exc:
+        raise ChartError(f"image volume {reference}: {exc}") from None
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def docker_options(pod: dict[str, Any], release: str, container: dict[str, Any],
-                   shared: dict[str, str] | None = None) -> dict[str, Any]:
+                   shared: dict[str, str] | None = None, artifacts: dict[str, Path] | None = None) -> dict[str, Any]:
     """The container's settings as `docker run` options: env, user, filesystem, capabilities, mounts."""
     ctx, pod_ctx = container.get("securityContext") or {}, pod.get("securityContext") or {}
     env = {}
@@ -92,7 +116,9 @@ def docker_options(pod: dict[str, Any], release: str, container: dict[str, Any],
         volume = volumes.get(mount["name"])
         if volume is None:
             raise ChartError(f"volumeMount {mount['name']} names no volume of the pod")
-        if volume["name"] in (shared or {}):
+        if "image" in volume and volume["image"]["reference"] in (artifacts or {}):
+            mounts[str(artifacts[volume["image"]["reference"]] / "files")] = {"bind": mount["mountPath"], "mode": "ro"}
+        elif volume["name"] in (shared or {}):
             mounts[shared[volume["name"]]] = {"bind": mount["mountPath"], "mode": "rw"}
         elif "emptyDir" in volume:
             # emptyDir directories are world-writable and, unlike Docker's tmpfs default, allow exec

@@ -145,6 +145,29 @@ def push_altered(model_dir: Path, repo: Ref, scratch: Path) -> Ref:
     return push_model(altered, repo, "tiny").ref
 
 
+def test_a_mounted_artifact_is_verified_in_place_and_not_pulled(repo, tiny_model_dir, keys, tmp_path):
+    """NIM_MODEL_MOUNT: the files a kubelet mounted (an image volume; a copy here) are served after
+    the signature, the only thing pulled, checks them; a changed mounted file is refused."""
+    private, public = keys
+    pinned = push_model(tiny_model_dir, repo, "tiny").ref
+    sign_artifact(pinned, private)
+    mount = tmp_path / "mounted"
+    shutil.copytree(tiny_model_dir, mount)
+    source = f"oci://{repo.name}@{pinned.digest}"
+    env = {"NIM_CACHE_PATH": str(tmp_path / "cache"), "NIM_MODEL_VERIFY_KEY": str(public),
+           "NIM_MANIFEST_PATH": str(tmp_path / "none.yaml"), "NIM_MODEL_MOUNT": str(mount)}
+    fetched = service("download-to-cache", "--model", source, env=env)
+    assert fetched.returncode == 0, fetched.stderr
+    assert Path(fetched.stdout.strip().splitlines()[-1]) == mount
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == ["model.sig"]
+    with ServerProcess(["--model", source], env=env, log_path=tmp_path / "serve.log") as server:
+        assert httpx.get(server.url + "/v1/metadata").json()["modelVerification"]["status"] == "verified"
+    (mount / "tokenizer_config.json").write_text("{}")
+    refused = service("serve", "--model", source, env=env)
+    assert refused.returncode == 1 and f"(mounted at {mount})" in refused.stderr
+    assert "Hash mismatch for 'tokenizer_config.json'" in refused.stderr
+
+
 def test_weights_altered_in_the_registry_are_refused(repo, tiny_model_dir, keys, tmp_path):
     """The same tag pushed again with other weights and not re-signed: no signature; with the old
     signature copied onto it (as an attacker could), a mismatch."""
@@ -224,3 +247,7 @@ def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_
     refused = inferkiln("chart", "run", str(oci_spec(tmp_path, str(moved), public)))
     assert refused.returncode == 1
     assert f"{moved.digest}: no signature" in refused.stderr and "readinessProbe" not in refused.stdout
+    # the same release with the artifact mounted as an image volume (chart run stands in for the kubelet)
+    mounted = inferkiln("chart", "run", str(spec), "--set", "modelStore.imageVolume=true", "--json")
+    assert mounted.returncode == 0, mounted.stderr[-3000:]
+    assert json.loads(mounted.stdout)["readinessProbe"].endswith(": ok")

@@ -91,6 +91,12 @@ volumes:
       {{- with .Values.shmSize }}
       sizeLimit: {{ . }}
       {{- end }}
+  {{- if .Values.modelStore.imageVolume }}
+  - name: model-artifact
+    image:
+      reference: {{ required "modelStore.imageVolume needs modelStore.source (oci://REGISTRY/REPO@sha256:...)" .Values.modelStore.source | trimPrefix "oci://" | quote }}
+      pullPolicy: IfNotPresent
+  {{- end }}
   {{- with .Values.modelStore.verifyKey }}
   {{- if .secretName }}
   - name: model-verify-key
@@ -158,6 +164,9 @@ The environment of the server and of the init container that fills its cache.
 {{- with .Values.modelStore.source }}
 - {name: NIM_MODEL_PATH, value: {{ . | quote }}}
 {{- end }}
+{{- if .Values.modelStore.imageVolume }}
+- {name: NIM_MODEL_MOUNT, value: /opt/nim/model-artifact}
+{{- end }}
 {{- if not .Values.modelStore.verify }}
 - {name: NIM_MODEL_VERIFY, value: "0"}
 {{- end }}
@@ -178,6 +187,9 @@ The volumes the server and the init container mount.
 - {name: dshm, mountPath: /dev/shm}
 {{- if or .Values.modelStore.verifyKey.secretName .Values.modelStore.verifyKey.configMapName }}
 - {name: model-verify-key, mountPath: /etc/nim/model-verify-key, readOnly: true}
+{{- end }}
+{{- if .Values.modelStore.imageVolume }}
+- {name: model-artifact, mountPath: /opt/nim/model-artifact, readOnly: true}
 {{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{- toYaml . | nindent 0 }}
