@@ -191,3 +191,57 @@ def test_a_certificate_signature_verifies_against_its_ca_only(tmp_path):
     (model / "config.json").write_text('{"changed": true}')
     with pytest.raises(SignatureError, match="Hash mismatch for 'config.json'"):
         verify_model(model, signature, ca)
+
+
+def test_a_registry_that_answers_other_content_is_refused(tmp_path):
+    """A test double of a registry (real HTTP on loopback) that answers a manifest and a blob other
+    than the digests asked for: a fault a real registry cannot be made to commit."""
+    import hashlib
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from service.modelpack import pull_model
+
+    blob = b"weights"
+    layer = {"mediaType": WEIGHT, "digest": "sha256:" + hashlib.sha256(b"other").hexdigest(), "size": len(blob),
+             "annotations": {"org.cncf.model.filepath": "model.safetensors"}}
+    config = json.dumps({"modelfs": {"type": "layers", "diffIds": [layer["digest"]]}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "artifactType": "application/vnd.cncf.model.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.cncf.model.config.v1+json", "size": len(config),
+                                      "digest": "sha256:" + hashlib.sha256(config).hexdigest()},
+                           "layers": [layer]}).encode()
+    served = {"manifest": manifest}
+
+    class Registry(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if "/manifests/" in self.path:
+                body = served["manifest"]
+            elif self.path.endswith(hashlib.sha256(config).hexdigest()):
+                body = config
+            else:
+                body = blob  # not the content of the digest asked for
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        registry = f"127.0.0.1:{server.server_address[1]}"
+        pinned = Ref.parse(f"{registry}/m@sha256:" + hashlib.sha256(manifest).hexdigest())
+        with pytest.raises(OciError, match="arrived with other content"):
+            pull_model(pinned, tmp_path / "a")
+        assert not (tmp_path / "a" / "model.safetensors").exists()
+        served["manifest"] = manifest + b" "
+        with pytest.raises(OciError, match="answered a manifest of digest"):
+            pull_model(pinned, tmp_path / "b")
+        located = pytest.raises(ModelSourceError, locate_model, f"oci://{pinned}", cache_path=tmp_path / "cache",
+                                base_dir=None, name="m", allow_download=True, trust=Trust(False, None))
+        assert str(pinned.digest) in str(located.value) and "answered a manifest" in str(located.value)
+    finally:
+        server.shutdown()
