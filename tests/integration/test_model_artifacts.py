@@ -248,6 +248,7 @@ def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_
     assert refused.returncode == 1
     assert f"{moved.digest}: no signature" in refused.stderr and "readinessProbe" not in refused.stdout
     # the same release with the artifact mounted as an image volume (chart run stands in for the kubelet)
-    mounted = inferkiln("chart", "run", str(spec), "--set", "modelStore.imageVolume=true", "--json")
+    mounted = inferkiln("chart", "run", str(oci_spec(tmp_path, str(pinned), public)), "--set",
+                        "modelStore.imageVolume=true", "--json")
     assert mounted.returncode == 0, mounted.stderr[-3000:]
     assert json.loads(mounted.stdout)["readinessProbe"].endswith(": ok")
