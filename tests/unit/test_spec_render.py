@@ -150,7 +150,7 @@ def test_a_model_free_image_carries_the_key_and_its_chart_fills_the_cache(tiny_m
     assert yaml.safe_load((contexts.model_dir / "model_manifest.yaml").read_text())["model"]["source"] == OCI
     values = yaml.safe_load((chart / "values.yaml").read_text())
     assert values["modelStore"] | {"verifyKey": None} == {"initContainer": True, "source": OCI, "verify": True,
-                                                          "verifyKey": None}
+                                                          "imageVolume": False, "verifyKey": None}
     other_key = Runner(write_spec(tmp_path, tiny_model_dir, **{
         "model.source": OCI, "model.bake": False, "model.verify_key": "pub.pem"})).plan().model_digest
     (tmp_path / "pub.pem").write_text("-----BEGIN PUBLIC KEY-----\nother\n")
