@@ -134,7 +134,7 @@ def _mounted_entry(ref, mount: Path, cache_path: Path, allow_download: bool) -> 
         raise ModelSourceError(f"oci://{ref}: NIM_MODEL_MOUNT needs the source pinned by digest (the mounted one)")
     if not mount.is_dir():
         raise ModelSourceError(f"oci://{ref}: NIM_MODEL_MOUNT names no directory ({mount})")
-    entry = cache_path / "oci" / ref.registry.replace(":", "_") / ref.repository / ref.digest.removeprefix("sha256:")
+    entry = _cached_repository(cache_path, ref) / ref.digest.removeprefix("sha256:")
     entry.mkdir(parents=True, exist_ok=True)
     if allow_download and not (entry / "model.sig").is_file():
         _pull_signature(ref, entry)
@@ -147,7 +147,7 @@ def _oci_entry(ref, cache_path: Path, allow_download: bool) -> Path:
     is looked for whenever the entry has none and pulling is allowed."""
     from service.oci import get_manifest
 
-    repository = cache_path / "oci" / ref.registry.replace(":", "_") / ref.repository
+    repository = _cached_repository(cache_path, ref)
     entry = repository / ref.digest.removeprefix("sha256:") if ref.digest else None
     if entry is None or not (entry / "model").is_dir():
         if not allow_download:
@@ -160,6 +160,11 @@ def _oci_entry(ref, cache_path: Path, allow_download: bool) -> Path:
     if allow_download and not (entry / "model.sig").is_file():
         _pull_signature(ref.at("sha256:" + entry.name), entry)
     return entry
+
+
+def _cached_repository(cache_path: Path, ref) -> Path:
+    """Where the cache keeps a repository's artifacts, one directory per manifest digest."""
+    return cache_path / "oci" / ref.registry.replace(":", "_") / ref.repository
 
 
 def _pull_entry(pinned, entry: Path) -> None:
