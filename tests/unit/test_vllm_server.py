@@ -281,3 +281,38 @@ def test_with_json_logs_what_bypasses_logging_is_wrapped_too(capfd):
     assert [line["message"] for line in lines[1:]] == [
         "[W utils.cpp:41] Warning: numa_migrate_pages failed", "printed", "from a child"]
     assert all(line["logger"] == "output" and line["time"] for line in lines[1:])
+
+
+def test_a_log_write_that_blocks_does_not_block_the_caller():
+    """The root's handlers write from a thread of their own: a stderr reader that is behind (the
+    container's log pipe) cannot stall the serving thread; each record keeps its request id."""
+    import threading
+    import time
+
+    from service.logs import request_id_var, write_off_the_event_loop
+
+    release, seen = threading.Event(), []
+
+    class Slow(logging.Handler):
+        def emit(self, record):
+            release.wait(5)
+            seen.append((record.getMessage(), record.request_id))
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    root.handlers[:] = [Slow()]
+    root.setLevel(logging.INFO)
+    try:
+        write_off_the_event_loop()
+        token = request_id_var.set("req-1")
+        start = time.perf_counter()
+        logging.getLogger("service.access").info("POST %s %d", "/v1/completions", 200)
+        assert time.perf_counter() - start < 0.5
+        request_id_var.reset(token)
+        release.set()
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [("POST /v1/completions 200", "req-1")]
+    finally:
+        root.handlers[:], root.level = saved, level
