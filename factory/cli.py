@@ -429,6 +429,16 @@ def tiny_model(out: Annotated[Path | None, typer.Option("--out", help="Directory
     typer.echo(str(ensure_tiny_model(out)))
 
 
+@app.command("tiny-adapter")
+def tiny_adapter(out: Annotated[Path | None, typer.Option("--out", help="Directory to write; default: the cache.")] = None,
+                 name: Annotated[str, typer.Option("--name", help="The adapter's name; it decides what it learns.")] = "tiny-lora") -> None:
+    """Make (or reuse from its cache) a LoRA adapter for the tiny model with peft; print its directory last."""
+    from factory.tinymodel.adapter import ensure_tiny_adapter
+
+    say(f"training the LoRA adapter {name} for the tiny model (cached after the first run)...")
+    typer.echo(str(ensure_tiny_adapter(name, out)))
+
+
 @app.command()
 def demo(registry: Annotated[str, typer.Option(help="The local registry to publish to.")] = "127.0.0.1:5000",
          keep: Annotated[bool, typer.Option("--keep/--no-keep", help="Leave the model running and print a curl line.")] = True,

@@ -43,10 +43,15 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
                     on_fatal(runtime.failure)
 
         loader = asyncio.create_task(load())
+        interval = runtime.settings.peft_refresh_interval
+        refresher = (asyncio.create_task(runtime.adapters.refresh_every(interval))
+                     if runtime.adapters and interval else None)
         try:
             yield
         finally:
             loader.cancel()
+            if refresher:
+                refresher.cancel()
             await runtime.engine.shutdown()
 
     app = FastAPI(title="inferkiln NIM runtime", version=__version__, lifespan=lifespan)

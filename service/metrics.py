@@ -70,45 +70,51 @@ class ServiceMetrics:
         self.registry = REGISTRY if shared else self.gauges
         self.model_name = model_name
         labels, reg, name = ["model_name"], self.registry, model_name
-        # Children are bound to the model name now, so every series is exported from the start.
-        self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg).labels(name)
-        self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels,
-                                         registry=reg).labels(name)
+        # Per served model id: the base model's, and each LoRA adapter's once it has served a request.
+        self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.generation_tokens = Counter("generation_tokens", "Generation tokens produced.", labels, registry=reg)
         self.success = Counter("request_success", "Requests finished.", labels + ["finished_reason"], registry=reg)
         self.failure = Counter("request_failure", "Requests that failed or were aborted.", labels + ["reason"],
                                registry=reg)
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS,
-                              registry=reg).labels(name)
+                              registry=reg)
         self.tpot = Histogram("time_per_output_token_seconds", "Time between output tokens.", labels,
-                              buckets=TPOT_BUCKETS, registry=reg).labels(name)
+                              buckets=TPOT_BUCKETS, registry=reg)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=E2E_BUCKETS, registry=reg).labels(name)
+                             buckets=E2E_BUCKETS, registry=reg)
         tokens = token_buckets(max_model_len)
         self.prompt_hist = Histogram("request_prompt_tokens", "Prompt tokens per request.", labels, buckets=tokens,
-                                     registry=reg).labels(name)
+                                     registry=reg)
         self.generation_hist = Histogram("request_generation_tokens", "Generation tokens per request.", labels,
-                                         buckets=tokens, registry=reg).labels(name)
+                                         buckets=tokens, registry=reg)
+        # The base model's series are exported from the start, at zero.
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.prompt_hist,
+                       self.generation_hist):
+            family.labels(name)
         for reason in ("stop", "length"):
             self.success.labels(name, reason)
         for reason in ("abort", "error"):
             self.failure.labels(name, reason)
 
     def record(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
-               token_gaps: list[float], e2e: float) -> None:
-        """One engine request ended; `finished_reason` abort/error count as failures."""
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generation_tokens)
+               token_gaps: list[float], e2e: float, model_name: str | None = None) -> None:
+        """One engine request ended; `finished_reason` abort/error count as failures. `model_name`:
+        the id the request named (a LoRA adapter's), else the base model's."""
+        name = model_name or self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
         if finished_reason in ("abort", "error"):
-            self.failure.labels(self.model_name, finished_reason).inc()
+            self.failure.labels(name, finished_reason).inc()
         else:
-            self.success.labels(self.model_name, finished_reason).inc()
+            self.success.labels(name, finished_reason).inc()
         if ttft is not None:
-            self.ttft.observe(ttft)
+            self.ttft.labels(name).observe(ttft)
+        tpot = self.tpot.labels(name)
         for gap in token_gaps:
-            self.tpot.observe(gap)
-        self.e2e.observe(e2e)
-        self.prompt_hist.observe(prompt_tokens)
-        self.generation_hist.observe(generation_tokens)
+            tpot.observe(gap)
+        self.e2e.labels(name).observe(e2e)
+        self.prompt_hist.labels(name).observe(prompt_tokens)
+        self.generation_hist.labels(name).observe(generation_tokens)
 
     def exposition(self) -> bytes:
         """The gauges, and the counters and histograms unless the engine's exposition has them."""

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service import __version__
+from service.adapters import AdapterRegistry, ModelShape
 from service.admission import Admission
 from service.api.serving import OpenAIServing
 from service.engine.base import Engine, EngineBase, PassthroughEngine
+from service.engine.lora import LoraLimits
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
 from service.model_signature import Verification
@@ -58,6 +60,7 @@ class Runtime:
     served_model_name: str
     admission: Admission
     verification: Verification | None = None
+    adapters: AdapterRegistry | None = None  # NIM_PEFT_SOURCE's LoRA adapters
     started: int = field(default_factory=lambda: int(time.time()))
     failure: str | None = None
     metrics: ServiceMetrics = field(init=False)
@@ -67,7 +70,7 @@ class Runtime:
         self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats,
                                       shared=isinstance(self.engine, PassthroughEngine))
         self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
-                                      self.admission)
+                                      self.admission, self.adapters)
                         if isinstance(self.engine, Engine) else None)
 
     @property
@@ -135,13 +138,30 @@ def build_runtime(settings: Settings, selection: Selection | None = None) -> Run
     """Everything short of loading weights."""
     chosen = selection or select(settings)
     profile, served_name = chosen.profile, chosen.served_name(settings)
+    adapters = adapter_registry(settings, chosen.model_dir, served_name)
     engine = make_engine(settings, profile, chosen.model_dir, served_name)
     max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
     per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
     return Runtime(settings=settings, manifest=chosen.manifest, profile=profile, hardware=chosen.hardware,
                    model_dir=chosen.model_dir, engine=engine, served_model_name=served_name,
-                   verification=chosen.verification,
+                   verification=chosen.verification, adapters=adapters,
                    admission=Admission(engine.max_num_seqs, max_queue, per_request))
+
+
+def adapter_registry(settings: Settings, model_dir: Path, served_name: str) -> AdapterRegistry | None:
+    """NIM_PEFT_SOURCE's adapters, scanned once now (NIM_PEFT_REFRESH_INTERVAL rescans, see service.app)."""
+    if not settings.peft_source:
+        return None
+    registry = AdapterRegistry(Path(settings.peft_source), ModelShape.of_model(model_dir), settings.max_lora_rank,
+                               served_name)
+    registry.scan()
+    return registry
+
+
+def lora_limits(settings: Settings) -> LoraLimits | None:
+    if not settings.peft_source:
+        return None
+    return LoraLimits(settings.max_gpu_loras, settings.max_cpu_loras, settings.max_lora_rank)
 
 
 def model_context_length(model_dir: Path) -> int | None:
@@ -174,5 +194,5 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         max_num_seqs=engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
         cpu_threads=engine_setting(settings, profile, "cpu_threads", None),
         kv_cache_tokens=engine_setting(settings, profile, "kv_cache_tokens", None),
-        enable_prefix_caching=settings.enable_kv_cache_reuse,
+        enable_prefix_caching=settings.enable_kv_cache_reuse, lora=lora_limits(settings),
     )

@@ -77,6 +77,19 @@ class Settings(BaseModel):
         "NIM_CPU_THREADS", "--cpu-threads", "Threads of the torch engine's forward pass on CPU; default: the profile's "
         "engine_args, else every core for models of 10M parameters and more, every core but one (left to the HTTP "
         "side) below.", default=None, ge=1)
+    peft_source: str | None = _opt(
+        "NIM_PEFT_SOURCE", "--peft-source", "Directory of LoRA adapters, one PEFT adapter per subdirectory (its name is "
+        "the adapter's model id); unset: no adapters.", default=None)
+    peft_refresh_interval: float | None = _opt(
+        "NIM_PEFT_REFRESH_INTERVAL", "--peft-refresh-interval", "Seconds between rescans of NIM_PEFT_SOURCE (new "
+        "adapters served, removed ones refused); unset: adapters are read once at start.", default=None, gt=0)
+    max_lora_rank: int = _opt(
+        "NIM_MAX_LORA_RANK", "--max-lora-rank", "Largest adapter rank accepted.", default=64, ge=1)
+    max_gpu_loras: int = _opt(
+        "NIM_MAX_GPU_LORAS", "--max-gpu-loras", "Adapters held in the engine's pool at once (a batch mixes these).",
+        default=8, ge=1)
+    max_cpu_loras: int = _opt(
+        "NIM_MAX_CPU_LORAS", "--max-cpu-loras", "Adapters whose weights are kept in host memory.", default=16, ge=1)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(

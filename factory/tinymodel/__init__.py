@@ -115,8 +115,8 @@ def _replace(staging: Path, target: Path) -> None:
     staging.rename(target)
 
 
-def _is_complete(path: Path, digest: str) -> bool:
-    marker = path / MARKER
+def _is_complete(path: Path, digest: str, marker_name: str = MARKER) -> bool:
+    marker = path / marker_name
     if not marker.is_file():
         return False
     try:

@@ -26,13 +26,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 class ServingError(Exception):
     """An expected failure of one request, carrying the HTTP status it maps to."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        self.code = code  # OpenAI's error code where it names one (model_not_found); else the status
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
-                                             param=self.param, code=self.status))
+                                             param=self.param, code=self.code or self.status))
 
 
 def bad_request(message: str, param: str | None = None) -> ServingError:

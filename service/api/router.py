@@ -74,8 +74,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @models_router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
     rt = runtime(request)
-    return ModelList(data=[ModelCard(id=rt.served_model_name, created=rt.started, root=rt.model_source,
-                                     max_model_len=rt.engine.max_model_len)])
+    base = ModelCard(id=rt.served_model_name, created=rt.started, root=rt.model_source,
+                     max_model_len=rt.engine.max_model_len)
+    adapters = [ModelCard(id=name, created=rt.started, root=str(adapter.path), parent=rt.served_model_name,
+                          max_model_len=rt.engine.max_model_len)
+                for name, adapter in sorted((rt.adapters.adapters if rt.adapters else {}).items())]
+    return ModelList(data=[base, *adapters])
 
 
 @management.get("/v1/health/live", response_model=HealthResponse, responses={503: {"model": HealthResponse}})

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
+from service.adapters import Adapter, AdapterRegistry
 from service.admission import Admission
 from service.api.encoding import prompt_encoder
 from service.api.errors import ServingError, bad_request, from_exception, sse_error
@@ -52,6 +53,8 @@ class Job:
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
+    model: str  # the id the request named: the base model's or a LoRA adapter's
+    adapter: Adapter | None = None
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
@@ -80,14 +83,15 @@ class SSEStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission) -> None:
+    def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission,
+                 adapters: AdapterRegistry | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
-        self.admission = admission
+        self.admission, self.adapters = admission, adapters
         self._encode = prompt_encoder(tokenizer)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str):
-        self._check_model(req.model)
+        adapter = self._resolve_model(req.model)
         self._check_chat_support(req)
         self.admission.check_size(1, req.n)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
@@ -99,7 +103,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling(req, [prompt], max_tokens, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        job = Job(f"chatcmpl-{request_id}", [prompt], params)
+        job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter)
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -109,7 +113,7 @@ class OpenAIServing:
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for i, c in sorted(job.choices.items())]
-        return ChatCompletionResponse(id=job.request_id, model=self.model_name, choices=choices, usage=job.usage)
+        return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     def _check_chat_support(self, req: ChatCompletionRequest) -> None:
         if req.tools:
@@ -123,7 +127,7 @@ class OpenAIServing:
 
     async def _chat_stream(self, job: Job, events, include_usage: bool) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            body = ChatCompletionChunk(id=job.request_id, model=self.model_name, choices=choices, usage=usage)
+            body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
 
         try:
@@ -150,7 +154,7 @@ class OpenAIServing:
 
     # -- completions -----------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str):
-        self._check_model(req.model)
+        adapter = self._resolve_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -159,7 +163,7 @@ class OpenAIServing:
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = self._completion_prompts(req.prompt, req.n)
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs)
-        job = Job(f"cmpl-{request_id}", prompts, params)
+        job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)
         if req.stream:
@@ -170,7 +174,7 @@ class OpenAIServing:
                                     logprobs=self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for i, c in sorted(job.choices.items())]
-        return CompletionResponse(id=job.request_id, model=self.model_name, choices=choices, usage=job.usage)
+        return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -195,7 +199,7 @@ class OpenAIServing:
 
     async def _completion_stream(self, job: Job, events, include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            body = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices, usage=usage)
+            body = CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json()}\n\n"
 
         offsets: dict[int, int] = {}
@@ -229,9 +233,16 @@ class OpenAIServing:
         return result
 
     # -- shared ----------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ServingError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`", "model")
+    def _resolve_model(self, model: str) -> Adapter | None:
+        """The LoRA adapter `model` names, None for the base model; 404 model_not_found for any other."""
+        if model == self.model_name:
+            return None
+        adapter = self.adapters.get(model) if self.adapters else None
+        if adapter is None:
+            also = f" and {len(self.adapters.adapters)} LoRA adapter(s), listed at /v1/models" if self.adapters else ""
+            raise ServingError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`{also}",
+                               "model", code="model_not_found")
+        return adapter
 
     def _sampling(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, max_param: str,
                   logprobs: int | None) -> SamplingParams:
@@ -273,8 +284,9 @@ class OpenAIServing:
         streams, admitted = [], []
         try:
             for i, prompt in enumerate(job.prompts):
-                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params)
-                streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n))
+                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter)
+                streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n,
+                                              job.adapter.name if job.adapter else None))
                 admitted.append(request.request_id)
         except Exception:
             for request_id in admitted:
@@ -323,7 +335,8 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _observed(self, stream: AsyncIterator[list[ChoiceDelta]], prompt_len: int, n: int):
+    async def _observed(self, stream: AsyncIterator[list[ChoiceDelta]], prompt_len: int, n: int,
+                        model_name: str | None = None):
         """Pass a stream through, recording its metrics when it ends, however it ends."""
         start = last = time.perf_counter()
         ttft, gaps, tokens = None, [], 0
@@ -352,7 +365,7 @@ class OpenAIServing:
             reason = ("error" if "error" in values else "abort" if "abort" in values or len(values) < n
                       else reasons[0])
             self.metrics.record(prompt_tokens=prompt_len, generation_tokens=tokens, finished_reason=reason,
-                                ttft=ttft, token_gaps=gaps, e2e=time.perf_counter() - start)
+                                ttft=ttft, token_gaps=gaps, e2e=time.perf_counter() - start, model_name=model_name)
 
     @staticmethod
     async def _drain(events: AsyncIterator) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.adapters import Adapter
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 
@@ -36,6 +39,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    adapter: Adapter | None = None  # a LoRA adapter of the registry; None: the base model
 
 
 @dataclass(frozen=True)

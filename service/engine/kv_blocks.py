@@ -25,17 +25,18 @@ class Block:
     key: BlockKey | None = None  # set while the block is in the prefix cache
 
 
-def chain_key(previous: BlockKey | None, tokens: list[int]) -> BlockKey:
-    """A full block's key: its tokens, and (through the previous key's hash) every block before it."""
-    return (0 if previous is None else hash(previous), tuple(tokens))
+def chain_key(previous: BlockKey | None, tokens: list[int], root: int = 0) -> BlockKey:
+    """A full block's key: its tokens, and (through the previous key's hash) every block before it;
+    the first block's stands on `root` (a LoRA adapter's, so no KV is shared across adapters)."""
+    return (root if previous is None else hash(previous), tuple(tokens))
 
 
-def block_keys(tokens: list[int], block_size: int, count: int | None = None) -> list[BlockKey]:
+def block_keys(tokens: list[int], block_size: int, count: int | None = None, root: int = 0) -> list[BlockKey]:
     """The chained keys of the first `count` full blocks of `tokens` (all full blocks when None)."""
     full = len(tokens) // block_size if count is None else min(count, len(tokens) // block_size)
     keys: list[BlockKey] = []
     for start in range(0, full * block_size, block_size):
-        keys.append(chain_key(keys[-1] if keys else None, tokens[start:start + block_size]))
+        keys.append(chain_key(keys[-1] if keys else None, tokens[start:start + block_size], root))
     return keys
 
 
@@ -91,13 +92,13 @@ class BlockPool:
                 else:
                     self._free.append(block.id)
 
-    def cached_prefix(self, tokens: list[int]) -> list[Block]:
+    def cached_prefix(self, tokens: list[int], root: int = 0) -> list[Block]:
         """The cached blocks of the longest cached prefix of `tokens`, leaving at least one token to
         compute (its logits start the output). Nothing is taken: see `acquire`."""
         if not self.enable_caching:
             return []
         found = []
-        for key in block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+        for key in block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size, root):
             block = self._cached.get(key)
             if block is None:
                 break

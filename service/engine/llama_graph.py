@@ -72,11 +72,15 @@ class LlamaGraph(torch.nn.Module):
     packed: List[bool]
     norms: List[torch.Tensor]  # per layer: input, post-attention
     lm_bias: Optional[torch.Tensor]
+    lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [slots, in, k*R] (service.engine.lora)
+    lora_b: List[torch.Tensor]  # [slots, k*R, out]; empty lists: no adapters
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 rope_table: tuple[torch.Tensor, torch.Tensor]) -> None:
+                 rope_table: tuple[torch.Tensor, torch.Tensor],
+                 lora: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])) -> None:
         super().__init__()
+        self.lora_a, self.lora_b = lora
         order = [linear_ for layer in linears for linear_ in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
         self.weights = [linear_.weight for linear_ in order]
         self.biases = [linear_.bias for linear_ in order]
@@ -95,10 +99,12 @@ class LlamaGraph(torch.nn.Module):
 
     def forward(self, token_ids: List[List[int]], chunk_lengths: List[int], chunk_starts: List[int],
                 block_tables: List[List[int]], length: int,
-                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                adapter_slots: Optional[List[int]] = None) -> torch.Tensor:
         """Chunks as right-padded `token_ids` [batch, width] at `chunk_starts`, with block tables padded
         alike; `length` = max(start + its length). `rope`: cos/sin of positions 0..length-1 where
-        they change with length (else the graph's own tables). Returns the logits after each chunk's
+        they change with length (else the graph's own tables). `adapter_slots`: each chunk's LoRA slot
+        (0: the base model), None when no chunk has an adapter. Returns the logits after each chunk's
         last token: [batch, vocab].
 
         Inputs are lists, not tensors: a tensor made in Python and released inside the graph would
@@ -127,7 +133,11 @@ class LlamaGraph(torch.nn.Module):
             mask = (span.view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1)
         cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
         cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # every head
-        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal)
+        slots: Optional[torch.Tensor] = None
+        if adapter_slots is not None:
+            slots = torch.tensor(adapter_slots, device=device)
+        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal,
+                              slots)
         if width == 1:
             last = hidden[:, 0]
         else:
@@ -136,14 +146,14 @@ class LlamaGraph(torch.nn.Module):
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 valid: Optional[torch.Tensor], written: torch.Tensor, mask: Optional[torch.Tensor],
-                causal: bool) -> torch.Tensor:
+                causal: bool, slots: Optional[torch.Tensor]) -> torch.Tensor:
         batch, count = hidden.shape[0], hidden.shape[1]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index in range(self.num_layers):
             w = 4 * index
             x = rms_norm(hidden, self.norms[2 * index], self.eps)
-            qkv = linear(x, self.weights[w], self.biases[w], self.packed[w])
+            qkv = self._project(x, w, slots)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = rotate(qk.view(batch, count, -1, head_dim), cos, sin)  # q's and k's heads at once
             q = qk[:, :, :heads].transpose(1, 2)
@@ -160,9 +170,15 @@ class LlamaGraph(torch.nn.Module):
                 values.index_select(0, rows).view(batch, -1, kv_heads, head_dim).transpose(1, 2),
                 attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
             out = out.transpose(1, 2).reshape(batch, count, -1)
-            hidden = hidden + linear(out, self.weights[w + 1], self.biases[w + 1], self.packed[w + 1])
+            hidden = hidden + self._project(out, w + 1, slots)
             x = rms_norm(hidden, self.norms[2 * index + 1], self.eps)
-            gate, up = linear(x, self.weights[w + 2], self.biases[w + 2], self.packed[w + 2]).chunk(2, dim=-1)
-            hidden = hidden + linear(activation(gate, self.act) * up, self.weights[w + 3], self.biases[w + 3],
-                                     self.packed[w + 3])
+            gate, up = self._project(x, w + 2, slots).chunk(2, dim=-1)
+            hidden = hidden + self._project(activation(gate, self.act) * up, w + 3, slots)
         return hidden
+
+    def _project(self, x: torch.Tensor, w: int, slots: Optional[torch.Tensor]) -> torch.Tensor:
+        """Fused projection w on x [batch, count, in], plus each row's LoRA: x @ A[slot] @ B[slot]."""
+        y = linear(x, self.weights[w], self.biases[w], self.packed[w])
+        if slots is None:
+            return y
+        return y + torch.bmm(torch.bmm(x, self.lora_a[w].index_select(0, slots)), self.lora_b[w].index_select(0, slots))

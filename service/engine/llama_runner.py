@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
+from service.engine.lora import LoraPool
 from service.profiles import Hardware, cpu_flags
 
 # Architectures whose decoder layers have exactly Llama's structure (q/k/v/o projections, RMSNorm
@@ -35,7 +36,8 @@ class UnsupportedModel(ValueError):
 
 
 class LlamaRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, max_len: int, pack_weights: bool = False) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, max_len: int, pack_weights: bool = False,
+                 lora: LoraPool | None = None) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"the torch engine runs {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models, "
@@ -67,7 +69,8 @@ class LlamaRunner:
         empty = torch.empty(0, device=device)
         self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
                                                  self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
-                                                 self.rope_table or (empty, empty)))
+                                                 self.rope_table or (empty, empty),
+                                                 (lora.a, lora.b) if lora else ([], [])))
 
     @staticmethod
     def _linears(layer, pack: bool) -> dict[str, Linear]:
@@ -99,8 +102,9 @@ class LlamaRunner:
     def bytes_per_block(self) -> int:
         return 2 * self.keys[:, :self.block_size].numel() * self.keys.element_size()
 
-    def forward(self, chunks: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
-        """Run `(tokens, block_table, start)` chunks together: prompt chunks, or one token each.
+    def forward(self, chunks: list[tuple[list[int], list[int], int]], adapter_slots: list[int] | None = None) -> torch.Tensor:
+        """Run `(tokens, block_table, start)` chunks together: prompt chunks, or one token each;
+        `adapter_slots` gives each chunk's LoRA slot in the pool (None or all 0: the base model).
 
         Each chunk's tokens are written at positions start.. of its sequence and attend to
         everything before them. Chunks of different lengths are right-padded; padded queries are
@@ -117,7 +121,9 @@ class LlamaRunner:
         length = max(start + count for start, count in zip(starts, lengths))
         rope = None if self.rope_table else self._rope_for(length)
         with torch.jit.optimized_execution(False):
-            return self.graph(ids, lengths, starts, tables, length, rope)
+            if adapter_slots is not None and not any(adapter_slots):
+                adapter_slots = None  # the base model alone skips the LoRA matmuls
+            return self.graph(ids, lengths, starts, tables, length, rope, adapter_slots)
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..length-1, from the model's rotary module."""

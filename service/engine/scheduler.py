@@ -54,6 +54,7 @@ class Request:
     n: int = 1
     max_len: int = 0  # the most tokens (prompt and output) a choice may reach; 0: the prompt and one more
     owner: Any = None  # the engine's record of the request
+    cache_root: int = 0  # seeds its prefix-cache keys: requests of different roots share no KV (LoRA adapters)
     seqs: list[Sequence] = field(init=False)
     forked: bool = field(init=False)  # the choices past the first have their own blocks
 
@@ -191,7 +192,7 @@ class Scheduler:
                 return
             request = self.waiting[0]
             leader = request.seqs[0]
-            hit = self.pool.cached_prefix(leader.tokens)
+            hit = self.pool.cached_prefix(leader.tokens, request.cache_root)
             size = min(leader.to_compute - len(hit) * self.pool.block_size, max(budget, 1))
             if budget <= 0 and size > 1:
                 return
@@ -200,7 +201,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             for seq in request.active():
-                self._take_cached_prefix(seq, hit if seq is leader else self.pool.cached_prefix(seq.tokens))
+                self._take_cached_prefix(seq, hit if seq is leader else self.pool.cached_prefix(seq.tokens, request.cache_root))
             self.running.append(request)
             for seq in request.active():
                 budget = self._schedule_seq(seq, budget, plan)
@@ -242,6 +243,7 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence) -> None:
         size = self.pool.block_size
         for index in range(len(seq.keys), seq.computed // size):
-            key = chain_key(seq.keys[-1] if seq.keys else None, seq.tokens[index * size:(index + 1) * size])
+            key = chain_key(seq.keys[-1] if seq.keys else None, seq.tokens[index * size:(index + 1) * size],
+                            seq.request.cache_root)
             seq.keys.append(key)
             self.pool.cache(seq.blocks[index], key)

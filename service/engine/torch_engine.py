@@ -33,8 +33,10 @@ import torch
 
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
                                  SamplingError, SamplingParams)
+from service.adapters import AdapterError, ModelShape
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
+from service.engine.lora import LoraLimits, LoraPool
 from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
@@ -67,6 +69,7 @@ class _RequestState:
     outputs: list[SequenceOutput]
     generators: list[torch.Generator]
     scheduled: Request
+    slot: int = 0  # the LoRA pool's slot of the request's adapter; 0: the base model (or none yet)
     aborted: bool = False
     done: bool = False
     error: EngineError | None = None
@@ -74,6 +77,10 @@ class _RequestState:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def adapter(self):
+        return self.request.adapter
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -92,7 +99,7 @@ class TorchEngine(Engine):
     def __init__(self, model_dir: Path, *, device: str = "cpu", precision: str = "fp32",
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  cpu_threads: int | None = None, kv_cache_tokens: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, lora: LoraLimits | None = None) -> None:
         if precision not in DTYPES:
             raise ValueError(f"the torch engine runs {', '.join(DTYPES)}; not {precision!r}")
         self.model_dir = Path(model_dir)
@@ -109,7 +116,10 @@ class TorchEngine(Engine):
                              f"{self.max_model_len} tokens")
         self.pool = BlockPool(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs, PREFILL_CHUNK_TOKENS)
+        self.lora_limits = lora
+        self.lora: LoraPool | None = None  # made at load, when adapters are served
         self._incoming: deque[_RequestState] = deque()
+        self._parked: deque[_RequestState] = deque()  # in _states, waiting for a LoRA slot
         self._states: list[_RequestState] = []  # admitted to the scheduler, not yet done
         self._cond = threading.Condition()
         self._stopping = False
@@ -167,7 +177,13 @@ class TorchEngine(Engine):
         self.model = model.to(self.device).eval()
         parameters = sum(p.numel() for p in self.model.parameters())  # before packing releases the originals
         self.cpu_threads = self.cpu_threads or default_cpu_threads(parameters)
-        self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True)
+        if self.lora_limits:
+            self.lora = LoraPool(ModelShape.from_config(self.model.config.to_dict()), self.lora_limits, self.dtype,
+                                 self.device)
+            log.info("LoRA pool: %d slots of rank %d, %.1f MiB each", self.lora_limits.max_loras,
+                     self.lora_limits.max_rank, self.lora.bytes_per_slot / 2**20)
+        self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True,
+                                  lora=self.lora)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
                  self.device)
@@ -191,9 +207,13 @@ class TorchEngine(Engine):
         How many requests may wait is the runtime's `Admission`, before a request gets here."""
         if not self.ready:
             raise EngineError(self._dead or "the engine is not ready")
+        if request.adapter and not self.lora:
+            raise EngineError("this engine serves no LoRA adapters (NIM_PEFT_SOURCE)")
         params, prompt = request.params, request.prompt_token_ids
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-        scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new)
+        # KV computed with one adapter is never another's: each adapter's prefix cache is its own
+        root = hash((request.adapter.name, request.adapter.version)) if request.adapter else 0
+        scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new, cache_root=root)
         self.scheduler.check_fits(scheduled)  # RequestTooLargeError: a 400 before anything is queued
         outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
         state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
@@ -261,8 +281,7 @@ class TorchEngine(Engine):
                     incoming = list(self._incoming)
                     self._incoming.clear()
                     self._states += incoming
-                for state in incoming:
-                    self.scheduler.add(state.scheduled)
+                self._schedule_new(incoming)
                 with torch.inference_mode():
                     self._step()
         except Exception as exc:  # the scheduler itself broke: nothing it holds can be trusted
@@ -270,6 +289,29 @@ class TorchEngine(Engine):
             self._die(f"engine loop died: {type(exc).__name__}: {exc}")
             return
         self._die("the engine has shut down")  # whatever still waits is told so (only `_stopping` ends the loop)
+
+    def _schedule_new(self, incoming: list[_RequestState]) -> None:
+        """Hand new requests to the scheduler; one whose adapter finds no free LoRA slot waits
+        (parked) until a request ends and frees one."""
+        parked, self._parked = [*self._parked, *(s for s in incoming if s.adapter)], deque()
+        for state in incoming:
+            if not state.adapter:
+                self.scheduler.add(state.scheduled)
+        for state in parked:
+            if state.aborted:
+                continue
+            try:
+                slot = self.lora.acquire(state.adapter)
+            except (AdapterError, OSError, ValueError, RuntimeError) as exc:  # its files went bad since the scan
+                log.error("LoRA adapter %s could not be loaded: %s", state.adapter.name, exc)
+                state.error = EngineError(f"the LoRA adapter {state.adapter.name!r} could not be loaded")
+                state.aborted = True
+                continue
+            if slot is None:
+                self._parked.append(state)
+            else:
+                state.slot = slot
+                self.scheduler.add(state.scheduled)
 
     def _step(self) -> None:
         deltas: dict[_RequestState, list[ChoiceDelta]] = defaultdict(list)
@@ -308,7 +350,8 @@ class TorchEngine(Engine):
         the engine's failure, until a decode step works again (a prefill that works does not prove
         the device well: a faulted GPU may fail only decodes)."""
         def run(chunks: list[Chunk]) -> torch.Tensor:
-            return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks])
+            slots = [c.seq.request.owner.slot for c in chunks] if self.lora else None
+            return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots)
 
         try:
             done, failed = list(zip(group, run(group))), []
@@ -378,6 +421,10 @@ class TorchEngine(Engine):
             for state in finished:
                 self._states.remove(state)
                 state.done = True
+        for state in finished:
+            if state.slot:
+                self.lora.release(state.adapter)
+                state.slot = 0
         for state in finished:
             if deltas.get(state):
                 state.emit(deltas.pop(state))

@@ -146,10 +146,10 @@ async def test_a_failing_request_fails_alone(engine, monkeypatch):
     real_forward = engine.runner.forward
     poison = engine.tokenizer("poison")["input_ids"]
 
-    def forward(chunks):
+    def forward(chunks, *rest):
         if any(tokens == poison for tokens, _, _ in chunks):
             raise RuntimeError("injected prefill failure")
-        return real_forward(chunks)
+        return real_forward(chunks, *rest)
 
     monkeypatch.setattr(engine.runner, "forward", forward)
     good = request(engine, PAIRS[2][0], temperature=0, max_tokens=20)
@@ -163,10 +163,10 @@ async def test_a_failing_request_fails_alone(engine, monkeypatch):
 
 async def test_a_broken_engine_turns_unready(engine, monkeypatch):
     # Fault injection (a test double): every decode fails, as on a GPU that has faulted.
-    def forward(chunks):
+    def forward(chunks, *rest):
         if all(len(tokens) == 1 for tokens, _, _ in chunks):  # decode steps only
             raise RuntimeError("device lost")
-        return real_forward(chunks)
+        return real_forward(chunks, *rest)
 
     real_forward = engine.runner.forward
     monkeypatch.setattr(engine.runner, "forward", forward)
