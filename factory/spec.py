@@ -84,6 +84,36 @@ class ModelSource(Strict):
         return self
 
 
+class AdapterSpec(Strict):
+    """A LoRA adapter served beside the model (NIM_PEFT_SOURCE), baked into the model image."""
+
+    name: str = Field(description="the model id clients send for it; lower-case letters, digits and '-'")
+    source: str = Field(description="local://<dir> (a PEFT adapter) or oci://REGISTRY/REPO@sha256:... "
+                                    "(one pushed with `inferkiln model push`, pulled and verified at build)")
+    verify_key: str | None = Field(None, description="PEM public key an oci:// adapter's signature must verify "
+                                                     "against; default: model.verify_key")
+    dataset: str | None = Field(None, description="JSONL of {prompt, completion} the adapter must complete, "
+                                                  "relative to the spec: its own accuracy gate")
+    min_exact_match: float = Field(0.9, ge=0, le=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME.match(value):
+            raise ValueError("must be 1-53 lower-case letters, digits or '-', starting and ending alphanumeric")
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if value.startswith("oci://"):
+            if not re.match(r"^oci://[^/]+/[^@]+@sha256:[0-9a-f]{64}$", value):
+                raise ValueError("an oci:// adapter is named by digest: oci://REGISTRY/REPO[:TAG]@sha256:<64 hex>")
+        elif not (value.startswith("local://") and len(value) > 8):
+            raise ValueError("must be local://<dir> or oci://REGISTRY/REPO@sha256:...")
+        return value
+
+
 class Runtime(Strict):
     flavor: Literal["cpu", "vllm-cpu", "cuda"] = "cpu"
     base_image: str | None = None
@@ -166,6 +196,7 @@ class ModelSpec(Strict):
     kind: Literal["ModelSpec"]
     metadata: Metadata
     model: ModelSource
+    adapters: list[AdapterSpec] = Field(default_factory=list)
     runtime: Runtime = Field(default_factory=Runtime)
     profiles: list[ProfileSpec] = Field(min_length=1)
     resources: Resources = Field(default_factory=Resources)
@@ -179,6 +210,15 @@ class ModelSpec(Strict):
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelSpec:
+        names = [adapter.name for adapter in self.adapters]
+        if self.served_name in names:
+            raise ValueError(f"adapters: an adapter may not be named as the model, {self.served_name!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: names must be unique; got {names}")
+        return self
+
 
 class LoadedSpec(BaseModel):
     """A valid spec and the file it came from (relative `local://` sources resolve against it)."""
@@ -191,6 +231,14 @@ class LoadedSpec(BaseModel):
     def verify_key(self) -> Path | None:
         key = self.spec.model.verify_key
         return None if key is None else (Path(key) if Path(key).is_absolute() else self.path.parent / key).resolve()
+
+    def relative(self, value: str) -> Path:
+        """A path the spec names, relative to the spec's directory unless absolute."""
+        return Path(value) if Path(value).is_absolute() else (self.path.parent / value).resolve()
+
+    def adapter_key(self, adapter: AdapterSpec) -> Path | None:
+        key = adapter.verify_key or self.spec.model.verify_key
+        return None if key is None else self.relative(key)
 
     def local_source(self) -> Path | None:
         source = self.spec.model.source
@@ -248,4 +296,34 @@ def load_spec(path: str | Path) -> LoadedSpec:
         raise SpecError([f"{path}: model.source: no model directory (config.json) at {local}"])
     if (key := loaded.verify_key()) is not None and not key.is_file():
         raise SpecError([f"{path}: model.verify_key: no file at {key}"])
+    if problems := _adapter_problems(loaded):
+        raise SpecError([f"{path}: {line}" for line in problems])
     return loaded
+
+
+def _adapter_problems(loaded: LoadedSpec) -> list[str]:
+    """A local adapter must be a PEFT adapter the model can serve (the runtime's own checks, at the
+    runtime's default NIM_MAX_LORA_RANK); an oci:// one needs a key, and is checked once pulled."""
+    from service.adapters import AdapterError, ModelShape, read_adapter
+    from service.settings import Settings
+
+    model = loaded.local_source()
+    shape = ModelShape.of_model(model) if model is not None else None
+    problems = []
+    for i, adapter in enumerate(loaded.spec.adapters):
+        if adapter.source.startswith("oci://"):
+            if loaded.adapter_key(adapter) is None:
+                problems.append(f"adapters.{i}.verify_key: an oci:// adapter is baked only once its signature "
+                                "verifies; name its public key (or model.verify_key)")
+            continue
+        local = loaded.relative(adapter.source.removeprefix("local://"))
+        if not (local / "adapter_config.json").is_file():
+            problems.append(f"adapters.{i}.source: no PEFT adapter (adapter_config.json) at {local}")
+        elif shape is not None:
+            try:
+                read_adapter(local, shape, Settings.model_fields["max_lora_rank"].default)
+            except AdapterError as exc:
+                problems.append(f"adapters.{i}.source: {local}: {exc}")
+        if adapter.dataset and not loaded.relative(adapter.dataset).is_file():
+            problems.append(f"adapters.{i}.dataset: no file at {loaded.relative(adapter.dataset)}")
+    return problems

@@ -75,7 +75,7 @@ class Adapter:
     rank: int
     scaling: float  # peft's lora_alpha / r (or / sqrt(r) with use_rslora)
     modules: frozenset[str]
-    version: tuple[int, ...]  # the files' sizes and times: a change is a new adapter
+    version: tuple  # the files' sizes and times: a change is a new adapter
     weight_bytes: int = field(default=0, compare=False)
 
     def load(self) -> dict[tuple[int, str], tuple[object, object]]:
@@ -90,9 +90,19 @@ class Adapter:
         return {key: (ab["A"], ab["B"] * self.scaling) for key, ab in pairs.items()}
 
 
-def _version(path: Path) -> tuple[int, ...]:
-    stats = [(path / name).stat() for name in (CONFIG_FILE, WEIGHTS_FILE) if (path / name).exists()]
-    return tuple(value for st in stats for value in (st.st_size, st.st_mtime_ns))
+def _version(path: Path) -> tuple:
+    """The files' sizes and times; for files that cannot be stat'ed (permissions), why not: a
+    refusal is then logged once, until that changes."""
+    version: list = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = (path / name).stat()
+            version += [st.st_size, st.st_mtime_ns]
+        except FileNotFoundError:
+            version.append(None)
+        except OSError as exc:
+            version.append(f"{type(exc).__name__}: {exc.strerror}")
+    return tuple(version)
 
 
 def read_adapter(path: Path, shape: ModelShape, max_rank: int) -> Adapter:
@@ -173,7 +183,7 @@ class AdapterRegistry:
     def __init__(self, source: Path, shape: ModelShape, max_rank: int, base_name: str) -> None:
         self.source, self.shape, self.max_rank, self.base_name = Path(source), shape, max_rank, base_name
         self.adapters: dict[str, Adapter] = {}
-        self._refused: dict[str, tuple[int, ...]] = {}  # name -> the version last refused (logged once)
+        self._refused: dict[str, tuple] = {}  # name -> the version last refused (logged once)
 
     def get(self, name: str) -> Adapter | None:
         return self.adapters.get(name)
@@ -213,6 +223,13 @@ class AdapterRegistry:
                 log.info("LoRA adapter %s removed", adapter.name)
         return added, removed
 
+    def refuse(self, adapter: Adapter, reason: str) -> None:
+        """An engine could not take an adapter the checks passed: no longer listed, until it changes."""
+        log.warning("LoRA adapter %s not served: %s", adapter.name, reason)
+        self._refused[adapter.name] = adapter.version
+        if self.adapters.get(adapter.name) == adapter:
+            del self.adapters[adapter.name]
+
     def _subdirectories(self) -> list[Path]:
         try:
             return [path for path in self.source.iterdir() if path.is_dir() and not path.name.startswith(".")]
@@ -220,14 +237,14 @@ class AdapterRegistry:
             log.warning("NIM_PEFT_SOURCE %s cannot be read: %s", self.source, exc)
             return []
 
-    async def refresh_every(self, interval: float,
-                            on_change: Callable[[list[Adapter], list[Adapter]], Awaitable[None]] | None = None) -> None:
-        """Rescan forever (a task the app cancels); the scan's file reads run off the event loop."""
+    async def refresh_every(self, interval: float, on_change: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Rescan forever (a task the app cancels); the scan's file reads run off the event loop.
+        `on_change`: what an engine that holds its own list of adapters (vLLM) does after a change."""
         while True:
             await asyncio.sleep(interval)
             try:
                 added, removed = await asyncio.to_thread(self.scan)
                 if on_change and (added or removed):
-                    await on_change(added, removed)
+                    await on_change()
             except Exception:  # one failed scan must not end refreshing
                 log.exception("rescanning NIM_PEFT_SOURCE failed")

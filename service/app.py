@@ -35,6 +35,8 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
         async def load() -> None:
             try:
                 await runtime.engine.start()
+                if runtime.adapters:
+                    await runtime.engine.sync_adapters(runtime.adapters)
                 log.info("engine ready: %s serving %s", runtime.profile.name, runtime.served_model_name)
             except Exception as exc:
                 runtime.failure = f"{type(exc).__name__}: {exc}"
@@ -44,8 +46,8 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
 
         loader = asyncio.create_task(load())
         interval = runtime.settings.peft_refresh_interval
-        refresher = (asyncio.create_task(runtime.adapters.refresh_every(interval))
-                     if runtime.adapters and interval else None)
+        refresher = (asyncio.create_task(runtime.adapters.refresh_every(
+            interval, lambda: runtime.engine.sync_adapters(runtime.adapters))) if runtime.adapters and interval else None)
         try:
             yield
         finally:

@@ -17,6 +17,7 @@ APP_DIR = f"{HOME}/app"  # holds the `service` package; on PYTHONPATH
 MANIFEST_PATH = f"{HOME}/etc/default/model_manifest.yaml"
 CACHE_PATH = f"{HOME}/.cache"
 MODEL_DIR = f"{HOME}/model"
+PEFT_DIR = f"{HOME}/loras"  # a model image's LoRA adapters (NIM_PEFT_SOURCE), one per subdirectory
 # The public key a model image carries for its model's signature (NIM_MODEL_VERIFY_KEY); a chart may
 # mount another one from a Secret or ConfigMap.
 MODEL_VERIFY_KEY = f"{HOME}/etc/model-signing/key.pem"

@@ -139,7 +139,7 @@ def build_runtime(settings: Settings, selection: Selection | None = None) -> Run
     chosen = selection or select(settings)
     profile, served_name = chosen.profile, chosen.served_name(settings)
     adapters = adapter_registry(settings, chosen.model_dir, served_name)
-    engine = make_engine(settings, profile, chosen.model_dir, served_name)
+    engine = make_engine(settings, profile, chosen.model_dir, served_name, adapters)
     max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
     per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
     return Runtime(settings=settings, manifest=chosen.manifest, profile=profile, hardware=chosen.hardware,
@@ -172,7 +172,8 @@ def model_context_length(model_dir: Path) -> int | None:
         return None
 
 
-def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_name: str) -> EngineBase:
+def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_name: str,
+                adapters: AdapterRegistry | None = None) -> EngineBase:
     tags = profile.tags
     if tags.engine == "vllm":
         from service.engine.vllm_server import VllmServer, vllm_arguments
@@ -182,7 +183,8 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
             raise ValueError(f"{model_dir}/config.json names no max_position_embeddings: set NIM_MAX_MODEL_LEN")
         max_num_seqs = engine_setting(settings, profile, "max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
-        arguments = vllm_arguments(model_dir, served_name, profile, settings, max_model_len, max_num_seqs, max_queue)
+        arguments = vllm_arguments(model_dir, served_name, profile, settings, max_model_len, max_num_seqs, max_queue,
+                                   adapters.adapters.values() if adapters else ())
         return VllmServer(arguments, served_name, max_model_len, max_num_seqs)
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")

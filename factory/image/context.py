@@ -151,10 +151,47 @@ def _not_weights(relative: Path) -> bool:
     return relative.name.startswith(".") or relative.name == "inferkiln-tiny-model.json"
 
 
+def adapters_digest(loaded: LoadedSpec) -> str:
+    """The adapters the image carries: local ones by their files, oci:// ones by digest and key."""
+    parts = []
+    for adapter in loaded.spec.adapters:
+        key = loaded.adapter_key(adapter)
+        if adapter.source.startswith("oci://"):
+            parts.append(hashlib.sha256(adapter.source.encode() + (key.read_bytes() if key else b"")).hexdigest())
+        else:
+            parts.append(tree_digest(loaded.relative(adapter.source.removeprefix("local://")), skip=_not_weights))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def adapter_dirs(loaded: LoadedSpec) -> dict[str, Path]:
+    """Each adapter's directory here: a local one as it is, an oci:// one pulled into the factory's
+    cache and verified against its key, then checked against the model as the runtime will."""
+    from factory.errors import InputError
+    from factory.paths import cache_dir
+    from service.adapters import AdapterError, ModelShape, read_adapter
+    from service.model_store import ModelSourceError, Trust, locate_model
+    from service.settings import Settings
+
+    dirs = {}
+    for i, adapter in enumerate(loaded.spec.adapters):
+        if not adapter.source.startswith("oci://"):
+            dirs[adapter.name] = loaded.relative(adapter.source.removeprefix("local://"))
+            continue
+        try:
+            path = locate_model(adapter.source, cache_path=cache_dir() / "adapters", base_dir=None, name=adapter.name,
+                                allow_download=True, trust=Trust(True, loaded.adapter_key(adapter))).path
+            if (model := loaded.local_source()) is not None:
+                read_adapter(path, ModelShape.of_model(model), Settings.model_fields["max_lora_rank"].default)
+        except (ModelSourceError, AdapterError) as exc:
+            raise InputError(f"{loaded.path}: adapters.{i}.source: {exc}") from None
+        dirs[adapter.name] = path
+    return dirs
+
+
 def model_digest(loaded: LoadedSpec, runtime_ref: str) -> str:
     template = (repo_root() / "dockerfiles" / "model.Dockerfile.j2").read_text()
-    return hashlib.sha256(json.dumps([runtime_ref, loaded.spec.digest(), template,
-                                      weights_digest(loaded)]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([runtime_ref, loaded.spec.digest(), template, weights_digest(loaded)]
+                                     + ([adapters_digest(loaded)] if loaded.spec.adapters else [])).encode()).hexdigest()
 
 
 def model_reference(loaded: LoadedSpec, digest: str) -> str:
@@ -181,8 +218,10 @@ def model_dockerfile(loaded: LoadedSpec, runtime_ref: str, labels: dict[str, str
     return templates().get_template("model.Dockerfile.j2").render(
         runtime_image=runtime_ref, manifest_path=contract.MANIFEST_PATH, bake=spec.model.bake,
         model_dir=contract.MODEL_DIR, verify_key=contract.MODEL_VERIFY_KEY if spec.model.verify_key else None,
+        peft_dir=contract.PEFT_DIR if spec.adapters else None,
         env={"NIM_SERVED_MODEL_NAME": spec.served_name}
-        | ({"NIM_MODEL_VERIFY_KEY": contract.MODEL_VERIFY_KEY} if spec.model.verify_key else {}), labels=labels)
+        | ({"NIM_MODEL_VERIFY_KEY": contract.MODEL_VERIFY_KEY} if spec.model.verify_key else {})
+        | ({"NIM_PEFT_SOURCE": contract.PEFT_DIR} if spec.adapters else {}), labels=labels)
 
 
 def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest: str) -> Path:
@@ -202,6 +241,12 @@ def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest:
                              "(python -m service download-to-cache) and point model.source at them")
         shutil.copytree(source, out / "model", copy_function=_link_or_copy,
                         ignore=lambda _, names: [n for n in names if _not_weights(Path(n))])
+    for name, path in adapter_dirs(loaded).items():
+        target = out / "adapters" / name
+        shutil.copytree(path, target, copy_function=_link_or_copy,
+                        ignore=lambda _, names: [n for n in names if n.startswith(".") or n.startswith("inferkiln-")])
+        for directory in (target.parent, target, *(p for p in target.rglob("*") if p.is_dir())):
+            directory.chmod(0o755)  # COPY keeps the modes: the image's non-root user reads them
     return out
 
 

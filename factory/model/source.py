@@ -1,4 +1,4 @@
-"""What `inferkiln model push` pushes: a model directory, or the local source of a spec."""
+"""What `inferkiln model push` pushes: a model directory, a LoRA adapter's, or the local source of a spec."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def model_to_push(source: Path) -> tuple[Path, str, str | None]:
             raise InputError(f"{source}: model.source: only a local:// source can be pushed; got "
                              f"{loaded.spec.model.source!r}")
         return directory, loaded.spec.metadata.name, loaded.spec.metadata.version
-    if not (source / "config.json").is_file():
-        raise InputError(f"{source}: not a model directory (no config.json) nor a spec file")
+    if not (source / "config.json").is_file() and not (source / "adapter_config.json").is_file():
+        raise InputError(f"{source}: not a model directory (config.json), a PEFT adapter (adapter_config.json) "
+                         "nor a spec file")
     return source.resolve(), source.resolve().name, None

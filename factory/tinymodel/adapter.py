@@ -20,9 +20,10 @@ from pathlib import Path
 from factory.paths import cache_dir
 from factory.tinymodel import _is_complete, _parent, _replace, ensure_tiny_model, memorised_pairs
 
-ADAPTER_BUILDER_VERSION = "1"
+ADAPTER_BUILDER_VERSION = "2"
 MARKER = "inferkiln-tiny-adapter.json"
 DEFAULT_NAME = "tiny-lora"
+EVAL_FILE = "eval.jsonl"  # beside the adapter: what it was trained to complete, for its accuracy gate
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def ensure_tiny_adapter(name: str = DEFAULT_NAME, out: Path | None = None, recip
         staging = Path(tempfile.mkdtemp(prefix=".tiny-adapter-", dir=_parent(cached)))
         try:
             train_adapter(base, name, recipe, staging)
+            (staging / EVAL_FILE).write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                                                     for p, c in adapter_pairs(name)))
             (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
             _replace(staging, cached)
         finally:

@@ -19,6 +19,16 @@ from factory.verify.report import write_report
 from factory.verify.result import Gate, TestReport
 
 
+@dataclass(frozen=True)
+class AdapterCheck:
+    """A LoRA adapter the server must list (with the model as its parent) and, given pairs, its own
+    accuracy: exact match on what it was trained to complete."""
+
+    name: str
+    pairs: list[tuple[str, str]] | None = None
+    min_exact_match: float = 0.9
+
+
 @dataclass
 class HarnessConfig:
     """What the harness runs. Its settings come from a spec's `tests` (HarnessConfig.from_tests), with
@@ -37,6 +47,7 @@ class HarnessConfig:
     groups: tuple[str, ...] = ("openai", "nim")
     precision: str | None = None  # the parity tolerance's; None: the served profile's (fp32 if not published)
     reference_url: str | None = None  # another server on the same weights: greedy outputs must match it
+    adapters: list[AdapterCheck] = field(default_factory=list)
 
     @classmethod
     def from_tests(cls, tests: Tests, base: Path | None = None, **overrides) -> HarnessConfig:
@@ -91,6 +102,12 @@ def run_harness(url: str, model: str, config: HarnessConfig, output: Path, *, pa
     result: dict = {"url": url, "model": model}
     result["accuracy"] = accuracy = run_accuracy(url, model, config, pairs, model_dir, progress)
     gates += accuracy_gates(accuracy)
+    if config.adapters:
+        progress(f"LoRA adapters {', '.join(a.name for a in config.adapters)}...")
+        result["adapters"] = adapters = check_adapters(url, model, config.adapters)
+        gates += adapter_gates(adapters)
+        accuracy["skipped"].update({f"accuracy.adapter.{a.name}.exact_match": "no dataset for this adapter "
+                                    "(adapters[].dataset)" for a in config.adapters if a.pairs is None})
     if "nim" in config.groups:
         progress("metrics checks...")
         gates += check_metrics(url, model)
@@ -135,6 +152,33 @@ def accuracy_gates(accuracy: dict) -> list[Gate]:
         identical = same["prompts"] - len(same["mismatches"])
         gates.append(Gate(id="accuracy.engine_parity", passed=same["passed"], detail=(
             f"{identical}/{same['prompts']} greedy outputs identical to {same['reference']}{first}")))
+    return gates
+
+
+def check_adapters(url: str, model: str, adapters: list[AdapterCheck]) -> dict[str, dict]:
+    """Each adapter as the server lists it, and its exact match where it has known answers."""
+    import httpx
+
+    listed = {m["id"]: m.get("parent") for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    results = {}
+    for adapter in adapters:
+        results[adapter.name] = {"listed": adapter.name in listed, "parent": listed.get(adapter.name),
+                                 "expected_parent": model, "threshold": adapter.min_exact_match}
+        if adapter.pairs is not None:
+            results[adapter.name]["exact_match"] = exact_match(url, adapter.name, adapter.pairs)
+    return results
+
+
+def adapter_gates(adapters: dict[str, dict]) -> list[Gate]:
+    gates = []
+    for name, result in adapters.items():
+        gates.append(Gate(id=f"adapter.{name}.listed", passed=result["listed"] and result["parent"] == result["expected_parent"],
+                          detail=f"in /v1/models with parent {result['parent']!r}" if result["listed"]
+                          else "not in /v1/models"))
+        if "exact_match" in result:
+            score, threshold = result["exact_match"]["score"], result["threshold"]
+            gates.append(Gate(id=f"accuracy.adapter.{name}.exact_match", passed=score >= threshold,
+                              detail=f"{score:.3f} (threshold {threshold})"))
     return gates
 
 

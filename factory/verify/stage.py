@@ -15,7 +15,7 @@ from factory.spec import LoadedSpec
 from factory.chart.helm import ChartError
 from factory.chart.run import PodRun, init_containers_run
 from factory.verify.container import POD_LIKE, ContainerError, start_model
-from factory.verify.harness import HarnessConfig, load_pairs, run_harness
+from factory.verify.harness import AdapterCheck, HarnessConfig, load_pairs, run_harness
 from factory.verify.result import Gate, TestReport
 
 Progress = Callable[[str], None]
@@ -44,7 +44,9 @@ def _test_running(client, loaded: LoadedSpec, image_reference: str, report_dir: 
                   pod: PodRun) -> TestReport:
     dataset = loaded.spec.tests.accuracy.dataset
     pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
-    config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent)
+    adapters = [AdapterCheck(a.name, load_pairs(loaded.relative(a.dataset)) if a.dataset else None, a.min_exact_match)
+                for a in loaded.spec.adapters]
+    config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent, adapters=adapters)
     progress(f"starting {image_reference}...")
     start = time.perf_counter()
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.adapters import Adapter
+    from service.adapters import Adapter, AdapterRegistry
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 
@@ -122,6 +122,10 @@ class EngineBase(ABC):
         """Refresh what `stats()` reports before a metrics scrape; returns the engine's own
         exposition to append (none for an in-process engine)."""
         return b""
+
+    async def sync_adapters(self, registry: AdapterRegistry) -> None:
+        """An engine that keeps its own list of LoRA adapters (vLLM) makes it the registry's, at start
+        and after each rescan; one that reads the registry per request (torch) has nothing to do."""
 
     def describe(self) -> str:
         """What runs, for logs and `serve --dry-run`."""

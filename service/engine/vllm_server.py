@@ -29,8 +29,10 @@ import shlex
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from service.adapters import Adapter, AdapterRegistry
 from service.engine.base import EngineError, EngineStats, PassthroughEngine
 from service.logs import json_lines_for_raw_output
 from service.manifest import Profile
@@ -46,6 +48,7 @@ QUANTIZATION = {"fp8": "fp8"}  # int8 / int4 checkpoints carry their own quantiz
 # engine_args the runtime itself consumes rather than passing to vLLM
 RUNTIME_ARGS = frozenset({"max_queue", "max_seqs_per_request", "cpu_threads", "kv_cache_tokens"})
 MIDDLEWARE = "service.vllm_contract.NimContract"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 RUNTIME_FILE_ENV = "INFERKILN_RUNTIME_FILE"  # where each API server process reads what the launcher resolved
 WATCH_S = 0.5
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,13 +58,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM takes only some values for --max-lora-rank: the smallest that holds NIM_MAX_LORA_RANK."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)  # above the last: vLLM says so itself
+
+
 def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings: Settings,
-                   max_model_len: int, max_num_seqs: int, max_queue: int) -> list[str]:
+                   max_model_len: int, max_num_seqs: int, max_queue: int,
+                   adapters: Iterable[Adapter] = ()) -> list[str]:
     """vLLM's arguments: profile, then NIM_* settings, then NIM_PASSTHROUGH_ARGS (last wins).
 
     The queue bound is vLLM's own (`--max-num-queued-reqs`, a 503 counted across its API servers),
     the drain after SIGTERM ours: `--shutdown-timeout` lets vLLM wait that long for its API servers.
-    vLLM's access log is off: the contract logs one line per request, with its id."""
+    vLLM's access log is off: the contract logs one line per request, with its id. With
+    NIM_PEFT_SOURCE, LoRA is on and the adapters the registry accepted are vLLM's `--lora-modules`."""
     tags = profile.tags
     args: dict[str, Any] = {"model": str(model_dir), "served_model_name": served_name, "host": settings.host,
                             "port": settings.server_port, "tensor_parallel_size": tags.tp,
@@ -76,6 +86,9 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
     if settings.tensor_parallel_size:
         args["tensor_parallel_size"] = settings.tensor_parallel_size
     args["enable_prefix_caching"] = settings.enable_kv_cache_reuse
+    if settings.peft_source:
+        args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(settings.max_lora_rank),
+                    max_loras=settings.max_gpu_loras, max_cpu_loras=max(settings.max_cpu_loras, settings.max_gpu_loras))
     out: list[str] = []
     for name, value in args.items():
         if value is True:
@@ -84,6 +97,8 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
             out.append("--no-" + name.replace("_", "-"))
         elif value is not None:
             out += [_flag(name), json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    modules = [f"{adapter.name}={adapter.path}" for adapter in adapters]
+    out += ["--lora-modules", *modules] if modules else []
     return out + ["--middleware", MIDDLEWARE] + shlex.split(settings.passthrough_args)
 
 
@@ -98,6 +113,7 @@ class VllmServer(PassthroughEngine):
         self._ready = False
         self._stats = EngineStats(0, 0, max_num_seqs, 0.0)
         self._watch: asyncio.Task | None = None
+        self._loaded: dict[str, Adapter] = {}  # the adapters vLLM holds, as the registry had them
 
     def describe(self) -> str:
         return "vllm serve " + shlex.join(self.arguments)
@@ -129,6 +145,33 @@ class VllmServer(PassthroughEngine):
             raise EngineError(f"vLLM cannot run this model: warm-up answered {status} {text[:300]!r}")
         self._ready = True
         self._watch = asyncio.create_task(self._watch_engine())
+
+    async def sync_adapters(self, registry: AdapterRegistry) -> None:
+        """Make vLLM's adapters the registry's, through vLLM's own model registry in this process
+        (what its /v1/load_lora_adapter and /v1/unload_lora_adapter routes call, without opening
+        those routes to clients). A changed adapter is unloaded first, so vLLM gives it a new id and
+        reuses none of its old KV. One vLLM cannot load is logged and no longer listed."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        if not self._ready:
+            return  # the contract syncs once vLLM has started
+        models = self.root_app.state.openai_serving_models
+        for name in list(models.lora_requests):
+            wanted = registry.get(name)
+            if name not in self._loaded and wanted is not None:
+                self._loaded[name] = wanted  # one of --lora-modules, loaded at vLLM's start
+            if wanted is None or self._loaded[name] != wanted:
+                await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+                self._loaded.pop(name, None)
+                log.info("LoRA adapter %s unloaded from vLLM", name)
+        for name, adapter in sorted(registry.adapters.items()):
+            if self._loaded.get(name) == adapter:
+                continue
+            answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=str(adapter.path)))
+            if isinstance(answer, str):
+                self._loaded[name] = adapter
+            else:
+                registry.refuse(adapter, f"vLLM cannot load it: {answer.error.message}")
 
     async def _watch_engine(self) -> None:
         while not self._client.errored:
@@ -206,9 +249,11 @@ def serve(settings: Settings, selection: Selection) -> int:
     directory) named in the environment; the runtime's secrets leave the environment, so vLLM's
     engine processes never hold them."""
     from service import vllm_contract
-    from service.runtime import make_engine
+    from service.runtime import adapter_registry, make_engine
 
-    engine = make_engine(settings, selection.profile, selection.model_dir, selection.served_name(settings))
+    served_name = selection.served_name(settings)
+    adapters = adapter_registry(settings, selection.model_dir, served_name)  # vLLM's --lora-modules
+    engine = make_engine(settings, selection.profile, selection.model_dir, served_name, adapters)
     private = Path(tempfile.mkdtemp(prefix="inferkiln-"))
     state = private / "runtime.json"
     state.touch(mode=0o600)

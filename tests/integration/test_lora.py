@@ -207,3 +207,25 @@ def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_log
     assert httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny-lora", "prompt": "the",
                                                           "max_tokens": 2}).status_code == 200
     assert json.loads(httpx.get(f"{proc.url}/v1/health/ready").text)["status"] == "ready"
+
+
+def test_the_harness_gates_each_adapter_on_its_own_answers(tiny_model_dir, adapter_dir, tmp_path, model_name):
+    """check_adapters against two servers: one with the trained adapter passes its exact-match gate;
+    one whose `tiny-lora` holds other weights (a broken release) fails it, and an adapter the server
+    does not list fails `listed`."""
+    from factory.verify.harness import AdapterCheck, adapter_gates, check_adapters, load_pairs
+
+    pairs = load_pairs(adapter_dir / "eval.jsonl")
+    assert pairs == adapter_pairs("tiny-lora")
+    checks = [AdapterCheck("tiny-lora", pairs[:6], 0.9), AdapterCheck("absent")]
+    good, wrong = tmp_path / "good", tmp_path / "wrong"
+    shutil.copytree(adapter_dir, good / "tiny-lora")
+    peft_adapter(tiny_model_dir, wrong / "tiny-lora", 8, ["q_proj", "v_proj"], seed=11)
+    outcomes = {}
+    for name, source in (("good", good), ("wrong", wrong)):
+        with ServerProcess(["--model", str(tiny_model_dir)], env={"NIM_PEFT_SOURCE": str(source)},
+                           log_path=tmp_path / f"{name}.log") as proc:
+            outcomes[name] = {g.id: g.passed for g in adapter_gates(check_adapters(proc.url, model_name, checks))}
+    assert outcomes["good"] == {"adapter.tiny-lora.listed": True, "accuracy.adapter.tiny-lora.exact_match": True,
+                                "adapter.absent.listed": False}
+    assert outcomes["wrong"]["adapter.tiny-lora.listed"] and not outcomes["wrong"]["accuracy.adapter.tiny-lora.exact_match"]

@@ -475,3 +475,45 @@ def test_the_vllm_backed_runtime_survives_fuzzing(served):
     assert metric(scrape(served.url), "request_success_total") > 0, "no generated request reached vLLM"
     logs = served.logs(2000)
     assert "Traceback" not in logs, logs[logs.index("Traceback") - 300:][:3000]
+
+
+def test_lora_adapters_are_vllms_own_and_follow_the_source(docker_client, vllm_image, tmp_path):
+    """NIM_PEFT_SOURCE on the vLLM image: vLLM serves the adapters (`--enable-lora`, `--lora-modules`)
+    and the tiny adapter gives the greedy answer it gives in the torch image (transformers + peft's);
+    one dropped in is loaded into vLLM within the refresh interval plus 5 s, one removed is unloaded."""
+    from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter
+    from tests.integration.test_lora import peft_adapter
+
+    source = tmp_path / "peft"
+    shutil.copytree(ensure_tiny_adapter("tiny-lora"), source / "tiny-lora")
+    made = peft_adapter(ensure_tiny_model(), tmp_path / "made", 8, ["q_proj", "v_proj"], seed=5)
+    for path in (tmp_path, *tmp_path.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # the pod's user reads what the volume holds
+    env = {"NIM_PEFT_SOURCE": "/opt/peft", "NIM_PEFT_REFRESH_INTERVAL": "1", "NIM_MAX_LORA_RANK": "16"}
+    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S, env=env,
+                          volumes={str(source): {"bind": "/opt/peft", "mode": "ro"}})
+    client = OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        assert {m.id: getattr(m, "parent", None) for m in client.models.list().data} == {MODEL: None, "tiny-lora": MODEL}
+        prompt, answer = adapter_pairs("tiny-lora")[4]
+        reply = client.completions.create(model="tiny-lora", prompt=prompt, max_tokens=40, temperature=0)
+        assert reply.choices[0].text == answer
+        shutil.copytree(made, source / "fresh")
+        for path in (source / "fresh", *(source / "fresh").iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            reply = httpx.post(f"{running.url}/v1/completions", json={"model": "fresh", "prompt": "the", "max_tokens": 2})
+            if reply.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert reply.status_code == 200, reply.text
+        shutil.rmtree(source / "fresh")
+        deadline = time.monotonic() + 6
+        while httpx.post(f"{running.url}/v1/completions",
+                         json={"model": "fresh", "prompt": "the", "max_tokens": 2}).status_code != 404:
+            assert time.monotonic() < deadline, "a removed adapter still served after 6 s"
+            time.sleep(0.2)
+        assert "fresh" not in {m.id for m in client.models.list().data}
+    finally:
+        running.stop()

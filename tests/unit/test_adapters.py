@@ -63,6 +63,21 @@ def test_a_bad_adapter_is_refused_with_its_reason(tmp_path, make, reason):
         read_adapter(tmp_path / "bad", SHAPE, 8)
 
 
+def test_an_unreadable_adapter_is_left_out_logged_once_and_the_others_served(tmp_path, caplog):
+    """A config that cannot even be stat'ed (a symlink loop: unreadable for root too) is one warning,
+    not a failed scan."""
+    source = tmp_path / "peft"
+    write_adapter(source / "good")
+    (source / "looped").mkdir()
+    (source / "looped" / "adapter_config.json").symlink_to("adapter_config.json")
+    registry = AdapterRegistry(source, SHAPE, 8, "base")
+    with caplog.at_level(logging.WARNING):
+        registry.scan()
+        registry.scan()
+    assert registry.names() == ["good"]
+    assert caplog.text.count("LoRA adapter looped not served: adapter_config.json cannot be read") == 1
+
+
 def test_a_module_the_engines_do_not_adapt_is_refused(tmp_path):
     path = write_adapter(tmp_path / "a")
     save_file({"base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.ones(4, 16),

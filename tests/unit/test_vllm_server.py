@@ -65,6 +65,23 @@ def test_settings_override_the_profile_and_passthrough_overrides_both():
     assert args.index("--no-enable-prefix-caching") < args.index("--swap-space")
 
 
+def test_peft_settings_turn_on_vllms_lora_with_the_registrys_adapters(tmp_path):
+    from service.adapters import Adapter
+
+    adapters = [Adapter("a", tmp_path / "a", 8, 2.0, frozenset({"q_proj"}), (1,)),
+                Adapter("b", tmp_path / "b", 4, 2.0, frozenset({"v_proj"}), (1,))]
+    settings = load_settings({}, {"NIM_PEFT_SOURCE": str(tmp_path), "NIM_MAX_LORA_RANK": "24",
+                                  "NIM_MAX_GPU_LORAS": "4", "NIM_MAX_CPU_LORAS": "2"})
+    profile = Profile(tags=ProfileTags(engine="vllm", precision="bf16", tp=1, gpu="h100"))
+    args = vllm_arguments(Path("/models/m"), "m", profile, settings, 4096, 16, 100, adapters)
+    assert "--enable-lora" in args
+    assert flag(args, "--max-lora-rank") == "32", "vLLM takes 8, 16, 32, ...: the smallest that holds 24"
+    assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras")) == ("4", "4"), "vLLM needs cpu >= gpu"
+    modules = args[args.index("--lora-modules") + 1:args.index("--middleware")]
+    assert modules == [f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"]
+    assert "--enable-lora" not in arguments() and "--lora-modules" not in arguments()
+
+
 VLLM_METRICS = """\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
