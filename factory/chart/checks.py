@@ -34,6 +34,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "imageVolume": {"modelStore": {"initContainer": True, "imageVolume": True,
                                    "source": "oci://registry.local/models/tiny@sha256:" + "0" * 64}},
     "ephemeralCache": {"modelStore": {"initContainer": True}, "ephemeralVolume": {"enabled": True, "size": "30Gi"}},
+    # LoRA adapters from a claim the replicas share, rescanned
+    "adapters": {"adapters": {"claimName": "lora-adapters", "refreshInterval": 30}, "replicaCount": 2},
 }
 # Kinds from CRDs: kubernetes-validate has no schema for them; their pod templates are still checked.
 CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}

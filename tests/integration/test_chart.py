@@ -15,6 +15,7 @@ from factory.chart.checks import MATRIX, check_chart, kubernetes_versions, pod_s
 from factory.chart.helm import ChartError, helm, lint
 from factory.chart.render import render_chart
 from factory.spec import load_spec
+from service import image_contract as contract
 from service.launcher import free_port
 
 SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama.yaml"
@@ -76,6 +77,20 @@ def test_rendered_pod_is_secure_with_probes_and_gpu_toleration(chart_dir):
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["NIM_CACHE_PATH"] == "/opt/nim/.cache" and env["NIM_JSONL_LOGGING"] == "1"
+
+
+def test_adapters_from_a_claim_are_mounted_read_only_at_nim_peft_source(chart_dir):
+    pod = next(o for o in render_objects(chart_dir, MATRIX["adapters"]) if o["kind"] == "Deployment")
+    spec = pod["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert (env["NIM_PEFT_SOURCE"], env["NIM_PEFT_REFRESH_INTERVAL"]) == (contract.PEFT_DIR, "30")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "lora-adapters")
+    assert (mount["mountPath"], mount["readOnly"]) == (contract.PEFT_DIR, True)
+    volume = next(v for v in spec["volumes"] if v["name"] == "lora-adapters")
+    assert volume["persistentVolumeClaim"] == {"claimName": "lora-adapters", "readOnly": True}
+    plain = next(o for o in render_objects(chart_dir, MATRIX["cpu"]) if o["kind"] == "Deployment")
+    assert "NIM_PEFT_SOURCE" not in str(plain), "without a claim the image's own adapters (and env) stand"
 
 
 def test_gpu_toleration_is_rendered_once(chart_dir):

@@ -106,6 +106,10 @@ volumes:
     configMap: {name: {{ .configMapName | quote }}, items: [{key: {{ .key | quote }}, path: {{ .key | quote }}}]}
   {{- end }}
   {{- end }}
+  {{- if .Values.adapters.claimName }}
+  - name: lora-adapters
+    persistentVolumeClaim: {claimName: {{ .Values.adapters.claimName | quote }}, readOnly: true}
+  {{- end }}
   {{- with .Values.extraVolumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -173,6 +177,12 @@ The environment of the server and of the init container that fills its cache.
 {{- if or .Values.modelStore.verifyKey.secretName .Values.modelStore.verifyKey.configMapName }}
 - {name: NIM_MODEL_VERIFY_KEY, value: {{ printf "/etc/nim/model-verify-key/%s" .Values.modelStore.verifyKey.key | quote }}}
 {{- end }}
+{{- if .Values.adapters.claimName }}
+- {name: NIM_PEFT_SOURCE, value: /opt/nim/loras}
+{{- end }}
+{{- if .Values.adapters.refreshInterval }}
+- {name: NIM_PEFT_REFRESH_INTERVAL, value: {{ .Values.adapters.refreshInterval | quote }}}
+{{- end }}
 {{- with .Values.env }}
 {{- toYaml . | nindent 0 }}
 {{- end }}
@@ -190,6 +200,9 @@ The volumes the server and the init container mount.
 {{- end }}
 {{- if .Values.modelStore.imageVolume }}
 - {name: model-artifact, mountPath: /opt/nim/model-artifact, readOnly: true}
+{{- end }}
+{{- if .Values.adapters.claimName }}
+- {name: lora-adapters, mountPath: /opt/nim/loras, readOnly: true}
 {{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{- toYaml . | nindent 0 }}
