@@ -52,6 +52,7 @@ class Observed:
     gaps: list[float] = field(default_factory=list)
     usage: dict | None = None
     finish: str | None = None
+    model: str | None = None  # the id the engine answered for: a LoRA adapter's, or the base model's
 
     def output(self, now: float) -> None:
         if self.first is None:
@@ -61,6 +62,8 @@ class Observed:
         self.last = now
 
     def ending(self, event: dict) -> None:
+        if isinstance(event.get("model"), str):
+            self.model = event["model"]
         if event.get("type") in RESPONSE_ENDS:  # /v1/responses: the final event carries the usage
             self.usage = _counts((event.get("response") or {}).get("usage"))
             self.finish = RESPONSE_ENDS[event["type"]]
@@ -79,7 +82,7 @@ class Observed:
                        generation_tokens=int(usage.get("completion_tokens") or 0),
                        finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
                        ttft=None if self.first is None else self.first - self.start, token_gaps=self.gaps,
-                       e2e=time.perf_counter() - self.start)
+                       e2e=time.perf_counter() - self.start, model_name=self.model)
 
 
 def _counts(usage: dict | None) -> dict | None:
@@ -253,6 +256,7 @@ class Passthrough:
         elif self.generates:
             reply = _json(content) or {}
             self.observed.usage = _counts(reply.get("usage"))
+            self.observed.model = reply.get("model") if isinstance(reply.get("model"), str) else None
             self.observed.finish = next((c.get("finish_reason") for c in reply.get("choices") or []), None)
         self._settle(None)
         self.sending = "done"
@@ -270,6 +274,8 @@ def openai_error(status: int, content: bytes) -> bytes:
     it has that shape already; else (FastAPI's `{"detail": ...}`, plain text) its message wrapped."""
     body = _json(content)
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        if status == 404:  # on an inference route, only the model can be unknown: OpenAI's code for it
+            return json.dumps({"error": {**body["error"], "param": "model", "code": "model_not_found"}}).encode()
         return content
     detail = body.get("detail") if isinstance(body, dict) else None
     message = detail if isinstance(detail, str) else json.dumps(detail) if detail else content.decode(errors="replace")

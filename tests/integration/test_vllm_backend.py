@@ -498,6 +498,9 @@ def test_lora_adapters_are_vllms_own_and_follow_the_source(docker_client, vllm_i
         prompt, answer = adapter_pairs("tiny-lora")[4]
         reply = client.completions.create(model="tiny-lora", prompt=prompt, max_tokens=40, temperature=0)
         assert reply.choices[0].text == answer
+        assert metric(scrape(running.url), "request_success_total", model_name="tiny-lora") == 1
+        unknown = httpx.post(f"{running.url}/v1/completions", json={"model": "nope", "prompt": "the", "max_tokens": 2})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         shutil.copytree(made, source / "fresh")
         for path in (source / "fresh", *(source / "fresh").iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)

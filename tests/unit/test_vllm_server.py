@@ -216,6 +216,9 @@ def test_engine_errors_reach_the_client_in_the_openai_shape_and_503_with_retry_a
 
     shaped = b'{"error": {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400}}'
     assert openai_error(400, shaped) == shaped
+    unknown = b'{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "param": null, "code": 404}}'
+    assert json.loads(openai_error(404, unknown))["error"] == {
+        "message": "The model `x` does not exist.", "type": "NotFoundError", "param": "model", "code": "model_not_found"}
     for status, body, message in ((404, b'{"detail": "Not Found"}', "Not Found"), (500, b"Internal Server Error", None),
                                   (422, b'{"detail": [{"loc": ["body", "n"]}]}', None)):
         error = json.loads(openai_error(status, body))["error"]
