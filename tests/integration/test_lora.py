@@ -87,6 +87,9 @@ def test_a_mixed_batch_equals_transformers_and_peft_token_for_token(tiny_model_d
     prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in PAIRS[:3]]
     expected = {name: reference(tiny_model_dir, path, prompts, 10)
                 for name, path in (("base", None), ("trained", adapter_dir), ("partial", other))}
+    long = tokenizer(" ".join(prompt + rest for prompt, rest in PAIRS[5:8]))["input_ids"]
+    assert len(long) > 32, "three blocks of 16 tokens at least, the first two cached"
+    expected["long"] = [reference(tiny_model_dir, path, [long], 10)[0] for path in (None, adapter_dir)]
     assert expected["trained"][0][0] != expected["base"][0][0], "the adapter changes the output"
 
     async def run():
@@ -95,12 +98,15 @@ def test_a_mixed_batch_equals_transformers_and_peft_token_for_token(tiny_model_d
         try:
             alone = await engine_generate(engine, prompts[:1], [trained], 10)
             mixed = await engine_generate(engine, prompts * 3, [None] * 3 + [trained] * 3 + [partial] * 3, 10)
-            return alone, mixed
+            # a prompt of several KV blocks, cached by the base model first, then asked with an adapter
+            cached = [(await engine_generate(engine, [long], [adapter], 10))[0] for adapter in (None, trained)]
+            return alone, mixed, cached
         finally:
             await engine.shutdown()
 
-    alone, mixed = asyncio.run(run())
+    alone, mixed, cached = asyncio.run(run())
     assert alone[0][0] == expected["trained"][0][0]
+    assert [tokens for tokens, _ in cached] == [want for want, _ in expected["long"]], "KV reused across adapters"
     for row, name in enumerate(["base"] * 3 + ["trained"] * 3 + ["partial"] * 3):
         tokens, logprobs = mixed[row]
         want_tokens, want_logprobs = expected[name][row % 3]
