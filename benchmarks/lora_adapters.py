@@ -1,5 +1,7 @@
-"""Multi-LoRA throughput on the torch engine: c=16 streams spread over 8 adapters and the base model,
-against c=16 on the base model alone, on the same server, in alternating rounds of one run.
+"""Multi-LoRA throughput: c=16 streams spread over 8 adapters and the base model, against c=16 on the
+base model alone, on the same server, in alternating rounds of one run; on the torch engine (the
+runtime in-process) and on vLLM's CPU build (its own OpenAI server in the vllm-cpu image, started
+as vLLM documents it with the arguments the runtime resolves, the adapters as --lora-modules).
 
 Also timed: an adapter's scan and checks (what a refresh costs it before it is listed), its first
 load into the engine's pool (what its first request waits for), and the memory it takes (a pool
@@ -7,7 +9,10 @@ slot, and its weights in host memory). The adapters are made with peft (rank 8 o
 gate, up and down, random weights: speed does not depend on what they learned). Writes
 results/lora_adapters.json.
 
-    python -m benchmarks.lora_adapters [--rounds 3] [--requests 96] [--max-tokens 64]
+    python -m benchmarks.lora_adapters [--rounds 3] [--requests 96] [--max-tokens 64] [--no-vllm]
+
+vLLM runs with the sample spec's `enforce_eager` (the image has no C++ compiler for torch.compile):
+labelled so in the JSON.
 """
 
 from __future__ import annotations
@@ -93,6 +98,48 @@ def adapter_costs(base: Path, paths: list[Path], rank: int) -> dict:
             "pool_slot_bytes": pool.bytes_per_slot, "weights_file_bytes": (paths[0] / "adapter_model.safetensors").stat().st_size}
 
 
+def rounds_on(url: str, base_name: str, adapters: list[str], rounds: int, requests: int, max_tokens: int) -> list[dict]:
+    """Warm every adapter, then base-only and mixed load back to back, `rounds` times."""
+    mixed_models = [base_name, *adapters]
+    asyncio.run(load(url, mixed_models, 2 * len(mixed_models), 8))
+    results = []
+    for _ in range(rounds):
+        base_only = asyncio.run(load(url, [base_name], requests, max_tokens))
+        mixed = asyncio.run(load(url, mixed_models, requests, max_tokens))
+        results.append({"base_only": base_only, "mixed": mixed,
+                        "ratio": round(mixed["tokens_per_s"] / base_only["tokens_per_s"], 3)})
+        print(json.dumps(results[-1]))
+    return results
+
+
+def on_vllm(source: Path, adapters: list[str], args) -> dict:
+    """vLLM's own server in the vllm-cpu image of the sample spec, the adapters mounted."""
+    import subprocess
+
+    import yaml
+
+    from factory.pipeline.runner import Runner
+    from factory.stack import docker_client, stack_up
+    from factory.verify.container import start_vllms_own_server
+
+    stack_up()
+    data = yaml.safe_load((Path(__file__).parents[1] / "pipelines" / "models" / "tiny-llama-vllm.yaml").read_text())
+    data["model"]["source"] = f"local://{ensure_tiny_model()}"
+    spec = source.parent / "tiny-llama-vllm.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    image = Runner(spec).build().model.reference
+    subprocess.run(["chmod", "-R", "a+rX", str(source.parent)], check=True)  # the image's user reads the mount
+    env = {"NIM_PEFT_SOURCE": "/opt/peft", "NIM_MAX_LORA_RANK": str(args.rank), "NIM_MAX_GPU_LORAS": str(ADAPTERS),
+           "VLLM_NO_USAGE_STATS": "1"}
+    running = start_vllms_own_server(docker_client(), image, env, 900, {str(source): {"bind": "/opt/peft", "mode": "ro"}})
+    try:
+        rounds = rounds_on(running.url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
+    finally:
+        running.stop()
+    return {"image": image, "configuration": "vLLM's own server, enforce_eager (no compiler in the image)",
+            "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -100,28 +147,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--no-vllm", action="store_true", help="the torch engine only")
     args = parser.parse_args()
     base = ensure_tiny_model()
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "peft"
         paths = make_adapters(base, source, ADAPTERS, args.rank)
+        names = [p.name for p in paths]
         costs = adapter_costs(base, paths, args.rank)
         env = {"NIM_PEFT_SOURCE": str(source), "NIM_MAX_LORA_RANK": str(args.rank), "NIM_MAX_GPU_LORAS": str(ADAPTERS)}
         with ServerProcess(["--model", str(base)], env=env, log_path=Path(tmp) / "server.log") as server:
             name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-            mixed_models = [name] + [p.name for p in paths]
-            asyncio.run(load(server.url, mixed_models, 2 * len(mixed_models), 8))  # warm-up: every adapter loaded
-            rounds = []
-            for _ in range(args.rounds):
-                base_only = asyncio.run(load(server.url, [name], args.requests, args.max_tokens))
-                mixed = asyncio.run(load(server.url, mixed_models, args.requests, args.max_tokens))
-                rounds.append({"base_only": base_only, "mixed": mixed,
-                               "ratio": round(mixed["tokens_per_s"] / base_only["tokens_per_s"], 3)})
-                print(json.dumps(rounds[-1]))
-    result = {"model": "tiny-llama", "engine": "torch", "concurrency": CONCURRENCY, "adapters": ADAPTERS,
-              "rank": args.rank, "requests_per_round": args.requests, "max_tokens": args.max_tokens,
-              "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds,
-              "adapter": costs}
+            rounds = rounds_on(server.url, name, names, args.rounds, args.requests, args.max_tokens)
+        vllm = None if args.no_vllm else on_vllm(source, names, args)
+    result = {"model": "tiny-llama", "concurrency": CONCURRENCY, "adapters": ADAPTERS, "rank": args.rank,
+              "requests_per_round": args.requests, "max_tokens": args.max_tokens,
+              "torch": {"mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds},
+              "vllm_cpu": vllm, "adapter": costs}
     print(write_result("lora_adapters", result, args.out))
 
 

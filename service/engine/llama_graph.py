@@ -72,15 +72,16 @@ class LlamaGraph(torch.nn.Module):
     packed: List[bool]
     norms: List[torch.Tensor]  # per layer: input, post-attention
     lm_bias: Optional[torch.Tensor]
-    lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [slots, in, k*R] (service.engine.lora)
-    lora_b: List[torch.Tensor]  # [slots, k*R, out]; empty lists: no adapters
+    lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [in, slots*k*R] (service.engine.lora)
+    lora_b: List[torch.Tensor]  # [slots*k*R, out]; empty lists: no adapters
+    lora_columns: List[torch.Tensor]  # per fused projection kind: the slot of each column of A
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
                  rope_table: tuple[torch.Tensor, torch.Tensor],
-                 lora: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])) -> None:
+                 lora: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])) -> None:
         super().__init__()
-        self.lora_a, self.lora_b = lora
+        self.lora_a, self.lora_b, self.lora_columns = lora
         order = [linear_ for layer in linears for linear_ in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
         self.weights = [linear_.weight for linear_ in order]
         self.biases = [linear_.bias for linear_ in order]
@@ -133,11 +134,12 @@ class LlamaGraph(torch.nn.Module):
             mask = (span.view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1)
         cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
         cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # every head
-        slots: Optional[torch.Tensor] = None
+        masks: List[torch.Tensor] = []  # per projection kind: which columns of A each row keeps
         if adapter_slots is not None:
-            slots = torch.tensor(adapter_slots, device=device)
+            slots = torch.tensor(adapter_slots, device=device).view(-1, 1, 1)
+            masks = [(slots == columns.view(1, 1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
         hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal,
-                              slots)
+                              masks)
         if width == 1:
             last = hidden[:, 0]
         else:
@@ -146,14 +148,14 @@ class LlamaGraph(torch.nn.Module):
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 valid: Optional[torch.Tensor], written: torch.Tensor, mask: Optional[torch.Tensor],
-                causal: bool, slots: Optional[torch.Tensor]) -> torch.Tensor:
+                causal: bool, masks: List[torch.Tensor]) -> torch.Tensor:
         batch, count = hidden.shape[0], hidden.shape[1]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index in range(self.num_layers):
             w = 4 * index
             x = rms_norm(hidden, self.norms[2 * index], self.eps)
-            qkv = self._project(x, w, slots)
+            qkv = self._project(x, w, masks)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = rotate(qk.view(batch, count, -1, head_dim), cos, sin)  # q's and k's heads at once
             q = qk[:, :, :heads].transpose(1, 2)
@@ -170,15 +172,15 @@ class LlamaGraph(torch.nn.Module):
                 values.index_select(0, rows).view(batch, -1, kv_heads, head_dim).transpose(1, 2),
                 attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
             out = out.transpose(1, 2).reshape(batch, count, -1)
-            hidden = hidden + self._project(out, w + 1, slots)
+            hidden = hidden + self._project(out, w + 1, masks)
             x = rms_norm(hidden, self.norms[2 * index + 1], self.eps)
-            gate, up = self._project(x, w + 2, slots).chunk(2, dim=-1)
-            hidden = hidden + self._project(activation(gate, self.act) * up, w + 3, slots)
+            gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
+            hidden = hidden + self._project(activation(gate, self.act) * up, w + 3, masks)
         return hidden
 
-    def _project(self, x: torch.Tensor, w: int, slots: Optional[torch.Tensor]) -> torch.Tensor:
-        """Fused projection w on x [batch, count, in], plus each row's LoRA: x @ A[slot] @ B[slot]."""
+    def _project(self, x: torch.Tensor, w: int, masks: List[torch.Tensor]) -> torch.Tensor:
+        """Fused projection w on x [batch, count, in], plus each row's LoRA: ((x @ A) * mask) @ B."""
         y = linear(x, self.weights[w], self.biases[w], self.packed[w])
-        if slots is None:
+        if len(masks) == 0:
             return y
-        return y + torch.bmm(torch.bmm(x, self.lora_a[w].index_select(0, slots)), self.lora_b[w].index_select(0, slots))
+        return y + torch.matmul(torch.matmul(x, self.lora_a[w]) * masks[w % 4], self.lora_b[w])

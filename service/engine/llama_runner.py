@@ -70,7 +70,7 @@ class LlamaRunner:
         self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
                                                  self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
                                                  self.rope_table or (empty, empty),
-                                                 (lora.a, lora.b) if lora else ([], [])))
+                                                 (lora.a, lora.b, lora.columns) if lora else ([], [], [])))
 
     @staticmethod
     def _linears(layer, pack: bool) -> dict[str, Linear]:

@@ -119,10 +119,10 @@ def test_the_pool_evicts_the_least_recently_used_unheld_adapter_and_never_a_held
     pool.release(adapters[0])
     assert pool.acquire(adapters[2]) == 2  # a1 was released first: least recently used
     assert pool.acquire(adapters[0]) == 1  # still loaded
-    # slot 1's qkv block holds a0's q_proj A (ones, rank 4 of 8); k and v stay zero
-    qkv_a = pool.a[0][1]
-    assert qkv_a[:, :4].eq(1).all() and qkv_a[:, 4:].eq(0).all()
-    assert pool.a[0][0].eq(0).all() and pool.b[0][0].eq(0).all()  # slot 0: the base model
+    # slot 1's qkv block (the first 3*8 columns) holds a0's q_proj A (ones, rank 4 of 8); k and v stay zero
+    qkv_a = pool.a[0]
+    assert qkv_a[:, :4].eq(1).all() and qkv_a[:, 4:24].eq(0).all()
+    assert pool.columns[0].tolist() == [1] * 24 + [2] * 24  # each column's slot, for the step's masks
 
 
 def test_prefix_cache_keys_of_different_adapters_differ():
