@@ -157,6 +157,35 @@ def wait_listed(url: str, name: str, present: bool, seconds: float) -> float:
     return time.monotonic() - start
 
 
+def served_then_gone(url: str, source, name: str, adapter, base, copied: bool = False) -> None:
+    """Drop `adapter` into `source` as `name` (NIM_PEFT_REFRESH_INTERVAL=1): within 1 + 5 s it
+    answers with transformers + peft's greedy tokens; removed, it is a 404 model_not_found within
+    as long. Files are made readable for an image's non-root user."""
+    from transformers import AutoTokenizer
+
+    if not copied:
+        shutil.copytree(adapter, source / name)
+    for path in (source / name, *(source / name).iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer(PAIRS[2][0])["input_ids"]
+    want = tokenizer.decode(reference(base, adapter, [ids], 8)[0][0], skip_special_tokens=True)
+    body = {"model": name, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def answer(status: int, seconds: float = 1 + 5) -> httpx.Response:
+        deadline = time.monotonic() + seconds
+        while (reply := httpx.post(f"{url}/v1/completions", json=body, timeout=60)).status_code != status:
+            assert time.monotonic() < deadline, f"{name}: {reply.status_code} {reply.text[:200]} after {seconds} s"
+            time.sleep(0.2)
+        return reply
+
+    reply = answer(200)
+    assert reply.json()["choices"][0]["text"] == want and reply.json()["usage"]["completion_tokens"] == 8
+    shutil.rmtree(source / name)
+    assert answer(404).json()["error"]["code"] == "model_not_found"
+    assert name not in listed(url)
+
+
 def test_the_server_lists_and_serves_adapters_by_name(served, model_name):
     proc, _, _ = served
     client = OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
@@ -195,21 +224,7 @@ def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_log
     assert "LoRA adapter big-one not served: rank 32 is above NIM_MAX_LORA_RANK=16" in text
     assert "LoRA adapter broken not served: adapter_model.safetensors is corrupt or unreadable" in text
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids = tokenizer(PAIRS[2][0])["input_ids"]
-    want = reference(tiny_model_dir, made, [ids], 8)[0][0]
-    reply = httpx.post(f"{proc.url}/v1/completions", json={"model": "fresh", "prompt": ids, "max_tokens": 8,
-                                                           "temperature": 0, "ignore_eos": True})
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
-    assert reply.json()["usage"]["completion_tokens"] == 8
-
-    shutil.rmtree(source / "fresh")
-    wait_listed(proc.url, "fresh", False, 1 + 5)
-    gone = httpx.post(f"{proc.url}/v1/completions", json={"model": "fresh", "prompt": "the", "max_tokens": 2})
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    served_then_gone(proc.url, source, "fresh", made, tiny_model_dir, copied=True)
     assert httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny-lora", "prompt": "the",
                                                           "max_tokens": 2}).status_code == 200
     assert json.loads(httpx.get(f"{proc.url}/v1/health/ready").text)["status"] == "ready"

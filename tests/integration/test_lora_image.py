@@ -14,7 +14,9 @@ from factory.pipeline.runner import RunSettings, Runner
 from factory.spec import SpecError, load_spec
 from factory.stack import REGISTRY, stack_up
 from factory.tinymodel.adapter import ensure_tiny_adapter
+from factory.verify.container import start_model
 from service import image_contract as contract
+from tests.integration.test_lora import peft_adapter, served_then_gone
 
 pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama-lora.yaml"
@@ -33,7 +35,8 @@ def lora_spec(directory: Path, model_dir: Path, adapter_dir: Path, **adapter) ->
     return path
 
 
-def test_a_baked_adapter_is_served_and_gated_by_name(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are_served(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
     import docker
 
     monkeypatch.setenv("INFERKILN_HOME", str(tmp_path / "home"))  # a catalog of the test's own
@@ -50,10 +53,21 @@ def test_a_baked_adapter_is_served_and_gated_by_name(tiny_model_dir, tmp_path, m
     assert gates["accuracy.adapter.tiny-lora.exact_match"].passed, gates["accuracy.adapter.tiny-lora.exact_match"].detail
     assert "accuracy.adapter.tiny-lora.exact_match" in (report.report_dir / "summary.md").read_text()
 
+    # the same image serving a directory of adapters that changes (NIM_PEFT_SOURCE on a volume)
+    source = tmp_path / "peft"
+    source.mkdir(mode=0o755)
+    tmp_path.chmod(0o755)
+    made = peft_adapter(tiny_model_dir, tmp_path / "made", 16, ["gate_proj", "down_proj", "v_proj"], seed=9)
+    running = start_model(client, built.model.reference, env={"NIM_PEFT_SOURCE": "/opt/peft",
+                                                              "NIM_PEFT_REFRESH_INTERVAL": "1"},
+                          volumes={str(source): {"bind": "/opt/peft", "mode": "ro"}})
+    try:
+        served_then_gone(running.url, source, "dropped-in", made, tiny_model_dir)
+    finally:
+        running.stop()
+
 
 def test_an_adapter_the_model_cannot_serve_is_a_spec_error_naming_the_field(tiny_model_dir, tmp_path):
-    from tests.integration.test_lora import peft_adapter
-
     big = peft_adapter(tiny_model_dir, tmp_path / "big", 128, ["q_proj"], seed=1)
     (big / "eval.jsonl").write_text("")
     with pytest.raises(SpecError) as error:
