@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.common import spread, write_result
 from factory.tinymodel import ensure_tiny_model, memorised_pairs
+from factory.tinymodel.adapter import random_adapter
 from service.adapters import ModelShape, read_adapter
 from service.engine.lora import LoraLimits, LoraPool
 from service.launcher import ServerProcess
@@ -40,21 +41,7 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_adapters(base: Path, source: Path, count: int, rank: int) -> list[Path]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    paths = []
-    for i in range(count):
-        torch.manual_seed(i)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES, lora_dropout=0.0))
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_" in name:
-                    parameter.normal_(0, 0.1)
-        model.save_pretrained(source / f"lora-{i}")
-        paths.append(source / f"lora-{i}")
-    return paths
+    return [random_adapter(base, source / f"lora-{i}", rank, MODULES, seed=i, std=0.1) for i in range(count)]
 
 
 async def load(url: str, models: list[str], total: int, max_tokens: int) -> dict:

@@ -9,10 +9,11 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from factory.errors import InputError
 from service.manifest import Engine, Precision
@@ -34,16 +35,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Metadata(Strict):
-    name: str = Field(description="lower-case letters, digits and '-'; names the image and the chart")
-    version: str = Field(description="semantic version of this model's release, e.g. 0.1.0")
+def _resource_name(value: str) -> str:
+    if not NAME.match(value):
+        raise ValueError("must be 1-53 lower-case letters, digits or '-', starting and ending alphanumeric")
+    return value
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not NAME.match(value):
-            raise ValueError("must be 1-53 lower-case letters, digits or '-', starting and ending alphanumeric")
-        return value
+
+ResourceName = Annotated[str, AfterValidator(_resource_name)]
+OCI_PINNED = re.compile(r"^oci://[^/]+/[^@]+@sha256:[0-9a-f]{64}$")  # an artifact named by its digest
+
+
+class Metadata(Strict):
+    name: ResourceName = Field(description="lower-case letters, digits and '-'; names the image and the chart")
+    version: str = Field(description="semantic version of this model's release, e.g. 0.1.0")
 
     @field_validator("version")
     @classmethod
@@ -66,7 +70,7 @@ class ModelSource(Strict):
     @classmethod
     def _source(cls, value: str) -> str:
         if value.startswith("oci://"):
-            if not re.match(r"^oci://[^/]+/[^@]+@sha256:[0-9a-f]{64}$", value):
+            if not OCI_PINNED.match(value):
                 raise ValueError("an oci:// source is named by digest: oci://REGISTRY/REPO[:TAG]@sha256:<64 hex> "
                                  "(`inferkiln model push` prints it)")
             return value
@@ -87,7 +91,7 @@ class ModelSource(Strict):
 class AdapterSpec(Strict):
     """A LoRA adapter served beside the model (NIM_PEFT_SOURCE), baked into the model image."""
 
-    name: str = Field(description="the model id clients send for it; lower-case letters, digits and '-'")
+    name: ResourceName = Field(description="the model id clients send for it; lower-case letters, digits and '-'")
     source: str = Field(description="local://<dir> (a PEFT adapter) or oci://REGISTRY/REPO@sha256:... "
                                     "(one pushed with `inferkiln model push`, pulled and verified at build)")
     verify_key: str | None = Field(None, description="PEM public key an oci:// adapter's signature must verify "
@@ -96,18 +100,11 @@ class AdapterSpec(Strict):
                                                   "relative to the spec: its own accuracy gate")
     min_exact_match: float = Field(0.9, ge=0, le=1)
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not NAME.match(value):
-            raise ValueError("must be 1-53 lower-case letters, digits or '-', starting and ending alphanumeric")
-        return value
-
     @field_validator("source")
     @classmethod
     def _source(cls, value: str) -> str:
         if value.startswith("oci://"):
-            if not re.match(r"^oci://[^/]+/[^@]+@sha256:[0-9a-f]{64}$", value):
+            if not OCI_PINNED.match(value):
                 raise ValueError("an oci:// adapter is named by digest: oci://REGISTRY/REPO[:TAG]@sha256:<64 hex>")
         elif not (value.startswith("local://") and len(value) > 8):
             raise ValueError("must be local://<dir> or oci://REGISTRY/REPO@sha256:...")

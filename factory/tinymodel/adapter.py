@@ -74,6 +74,24 @@ def ensure_tiny_adapter(name: str = DEFAULT_NAME, out: Path | None = None, recip
     return out
 
 
+def random_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, std: float = 0.3) -> Path:
+    """An untrained adapter made and saved by peft, its A and B drawn at random (peft starts B at
+    zero, which would change nothing): for tests and benchmarks that need any adapter of a shape."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, std)
+    model.save_pretrained(out)
+    return out
+
+
 def train_adapter(base: Path, name: str, recipe: AdapterRecipe, out: Path) -> None:
     import torch
     from peft import LoraConfig, get_peft_model

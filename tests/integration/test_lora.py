@@ -13,7 +13,7 @@ import torch
 from openai import NotFoundError, OpenAI
 
 from factory.tinymodel import memorised_pairs
-from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter
+from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter, random_adapter
 from service.adapters import ModelShape, read_adapter
 from service.engine.base import GenerationRequest, SamplingParams
 from service.engine.lora import LoraLimits
@@ -27,23 +27,6 @@ PAIRS = memorised_pairs()
 @pytest.fixture(scope="module")
 def adapter_dir():
     return ensure_tiny_adapter("tiny-lora")
-
-
-def peft_adapter(base, out, rank: int, targets: list[str], seed: int):
-    """An adapter made with peft alone, as a user outside the project makes one: random A and B
-    (peft starts B at zero, which would change nothing), saved by peft."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.3)
-    model.save_pretrained(out)
-    return out
 
 
 def reference(base, adapter, prompts: list[list[int]], max_tokens: int):
@@ -81,7 +64,7 @@ def test_a_mixed_batch_equals_transformers_and_peft_token_for_token(tiny_model_d
     decode in the same steps; each equals transformers + peft on the same weights, alone and mixed:
     the same greedy tokens, logprobs within 1e-4. The same prompt goes to all three, so a KV block
     reused across adapters (the prefix cache) would show."""
-    other = peft_adapter(tiny_model_dir, tmp_path / "other", 4, ["q_proj", "down_proj"], seed=7)
+    other = random_adapter(tiny_model_dir, tmp_path / "other", 4, ["q_proj", "down_proj"], seed=7)
     shape = ModelShape.of_model(tiny_model_dir)
     trained, partial = read_adapter(adapter_dir, shape, 64), read_adapter(other, shape, 64)
     prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in PAIRS[:3]]
@@ -118,7 +101,7 @@ def test_more_adapters_than_slots_wait_for_one_and_all_finish(tiny_model_dir, to
     """Three adapters, one pool slot: the requests take turns for it (least recently used evicted),
     each still gets its own adapter's tokens."""
     shape = ModelShape.of_model(tiny_model_dir)
-    adapters = [read_adapter(peft_adapter(tiny_model_dir, tmp_path / f"a{i}", 2, ["v_proj"], seed=i), shape, 8)
+    adapters = [read_adapter(random_adapter(tiny_model_dir, tmp_path / f"a{i}", 2, ["v_proj"], seed=i), shape, 8)
                 for i in range(3)]
     prompt = tokenizer(PAIRS[0][0])["input_ids"]
     want = [reference(tiny_model_dir, a.path, [prompt], 6)[0][0] for a in adapters]
@@ -212,8 +195,8 @@ def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_log
     gives transformers + peft's tokens; bad ones are left out with their reason in the log, the
     others go on; a removed adapter stops taking requests."""
     proc, source, log = served
-    made = peft_adapter(tiny_model_dir, tmp_path / "made", 8, ["k_proj", "o_proj", "up_proj"], seed=3)
-    too_big = peft_adapter(tiny_model_dir, tmp_path / "big", 32, ["q_proj"], seed=4)
+    made = random_adapter(tiny_model_dir, tmp_path / "made", 8, ["k_proj", "o_proj", "up_proj"], seed=3)
+    too_big = random_adapter(tiny_model_dir, tmp_path / "big", 32, ["q_proj"], seed=4)
     corrupt = shutil.copytree(made, tmp_path / "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes((made / "adapter_model.safetensors").read_bytes()[:-100])
     for name, path in (("big-one", too_big), ("broken", corrupt), ("fresh", made)):
@@ -241,7 +224,7 @@ def test_the_harness_gates_each_adapter_on_its_own_answers(tiny_model_dir, adapt
     checks = [AdapterCheck("tiny-lora", pairs[:6], 0.9), AdapterCheck("absent")]
     good, wrong = tmp_path / "good", tmp_path / "wrong"
     shutil.copytree(adapter_dir, good / "tiny-lora")
-    peft_adapter(tiny_model_dir, wrong / "tiny-lora", 8, ["q_proj", "v_proj"], seed=11)
+    random_adapter(tiny_model_dir, wrong / "tiny-lora", 8, ["q_proj", "v_proj"], seed=11)
     outcomes = {}
     for name, source in (("good", good), ("wrong", wrong)):
         with ServerProcess(["--model", str(tiny_model_dir)], env={"NIM_PEFT_SOURCE": str(source)},

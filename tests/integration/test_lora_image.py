@@ -13,10 +13,10 @@ import yaml
 from factory.pipeline.runner import RunSettings, Runner
 from factory.spec import SpecError, load_spec
 from factory.stack import REGISTRY, stack_up
-from factory.tinymodel.adapter import ensure_tiny_adapter
+from factory.tinymodel.adapter import ensure_tiny_adapter, random_adapter
 from factory.verify.container import start_model
 from service import image_contract as contract
-from tests.integration.test_lora import peft_adapter, served_then_gone
+from tests.integration.test_lora import served_then_gone
 
 pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).parents[2] / "pipelines" / "models" / "tiny-llama-lora.yaml"
@@ -57,7 +57,7 @@ def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are
     source = tmp_path / "peft"
     source.mkdir(mode=0o755)
     tmp_path.chmod(0o755)
-    made = peft_adapter(tiny_model_dir, tmp_path / "made", 16, ["gate_proj", "down_proj", "v_proj"], seed=9)
+    made = random_adapter(tiny_model_dir, tmp_path / "made", 16, ["gate_proj", "down_proj", "v_proj"], seed=9)
     running = start_model(client, built.model.reference, env={"NIM_PEFT_SOURCE": "/opt/peft",
                                                               "NIM_PEFT_REFRESH_INTERVAL": "1"},
                           volumes={str(source): {"bind": "/opt/peft", "mode": "ro"}})
@@ -68,7 +68,7 @@ def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are
 
 
 def test_an_adapter_the_model_cannot_serve_is_a_spec_error_naming_the_field(tiny_model_dir, tmp_path):
-    big = peft_adapter(tiny_model_dir, tmp_path / "big", 128, ["q_proj"], seed=1)
+    big = random_adapter(tiny_model_dir, tmp_path / "big", 128, ["q_proj"], seed=1)
     (big / "eval.jsonl").write_text("")
     with pytest.raises(SpecError) as error:
         load_spec(lora_spec(tmp_path, tiny_model_dir, big))

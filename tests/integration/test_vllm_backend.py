@@ -24,10 +24,12 @@ from openai import APIStatusError, OpenAI
 from factory.pipeline.runner import RunSettings, Runner
 from factory.stack import REGISTRY, stack_up
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
+from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter, random_adapter
 from factory.verify.container import POD_LIKE, start_model, start_vllms_own_server
 from service.image_contract import PORT
 from tests.conftest import metric, scrape
 from tests.fuzzing import CANNOT_HOLD, fuzz
+from tests.integration.test_lora import served_then_gone
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -483,12 +485,10 @@ def test_lora_adapters_are_vllms_own_and_follow_the_source(docker_client, vllm_i
     one dropped in is loaded into vLLM within the refresh interval plus 5 s with transformers + peft's
     greedy tokens, and unloaded once removed; requests are counted per adapter; an unknown model is
     OpenAI's 404 model_not_found."""
-    from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter
-    from tests.integration.test_lora import peft_adapter, served_then_gone
 
     source = tmp_path / "peft"
     shutil.copytree(ensure_tiny_adapter("tiny-lora"), source / "tiny-lora")
-    made = peft_adapter(ensure_tiny_model(), tmp_path / "made", 8, ["q_proj", "v_proj"], seed=5)
+    made = random_adapter(ensure_tiny_model(), tmp_path / "made", 8, ["q_proj", "v_proj"], seed=5)
     for path in (tmp_path, *tmp_path.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)  # the pod's user reads what the volume holds
     env = {"NIM_PEFT_SOURCE": "/opt/peft", "NIM_PEFT_REFRESH_INTERVAL": "1", "NIM_MAX_LORA_RANK": "16"}
