@@ -252,3 +252,34 @@ def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_
                         "modelStore.imageVolume=true", "--json")
     assert mounted.returncode == 0, mounted.stderr[-3000:]
     assert json.loads(mounted.stdout)["readinessProbe"].endswith(": ok")
+
+
+def test_a_spec_bakes_an_oci_adapter_only_once_it_verifies(repo, tiny_model_dir, keys, tmp_path):
+    """A LoRA adapter pushed as a ModelPack artifact and signed: a spec naming it by digest gets its
+    files (pulled, verified, checked against the model); with another key, an error naming the field."""
+    import yaml
+
+    from factory.errors import InputError
+    from factory.image.context import adapter_dirs
+    from factory.spec import load_spec
+    from factory.tinymodel.adapter import random_adapter
+
+    private, public = keys
+    adapter = random_adapter(tiny_model_dir, tmp_path / "adapter", 4, ["q_proj"], seed=2)
+    pushed = push_model(adapter, repo, "adapter").ref
+    assert inferkiln("model", "sign", str(repo), "--key", str(private)).returncode == 0
+
+    def spec_with(key: Path) -> Path:
+        path = tmp_path / f"spec-{key.parent.name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "inferkiln/v1", "kind": "ModelSpec", "metadata": {"name": "with-oci-adapter", "version": "0.1.0"},
+            "model": {"source": f"local://{tiny_model_dir}"}, "profiles": [{"engine": "torch"}],
+            "adapters": [{"name": "signed", "source": f"oci://{pushed.name}@{pushed.digest}", "verify_key": str(key)}]}))
+        return path
+
+    dirs = adapter_dirs(load_spec(spec_with(public)))
+    assert sorted(p.name for p in dirs["signed"].iterdir()) == sorted(p.name for p in adapter.iterdir())
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(InputError, match="adapters.0.source: .*Key mismatch"):
+        adapter_dirs(load_spec(spec_with(key_pair(other)[1])))
