@@ -86,3 +86,32 @@ def test_the_runtime_serves_a_vllm_cuda_profile(tiny_model_dir, tmp_path):
         prompt, expected = memorised_pairs()[0]
         reply = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=48, temperature=0)
         assert reply.choices[0].text.strip() == expected.strip()
+
+
+async def test_cuda_lora_batch_greedy_tokens_equal_the_cpus(tiny_model_dir, tmp_path):
+    """Two adapters and the base model in one batch, fp32 on CUDA and on CPU: the same tokens."""
+    from factory.tinymodel.adapter import random_adapter
+    from service.adapters import ModelShape, read_adapter
+    from service.engine.lora import LoraLimits
+
+    shape = ModelShape.of_model(tiny_model_dir)
+    adapters = [None] + [read_adapter(random_adapter(tiny_model_dir, tmp_path / f"a{i}", 8, targets, seed=i), shape, 8)
+                         for i, targets in enumerate((["q_proj", "o_proj"], ["gate_proj", "down_proj", "v_proj"]))]
+    prompts = [p for p, _ in memorised_pairs()[:6]]
+
+    async def tokens(device: str) -> list[list[int]]:
+        engine = TorchEngine(tiny_model_dir, device=device, precision="fp32", max_num_seqs=16,
+                             lora=LoraLimits(max_loras=2, max_cpu_loras=2, max_rank=8))
+        await engine.start()
+
+        async def one(i: int, prompt: str) -> list[int]:
+            ids = engine.tokenizer(prompt)["input_ids"]
+            request = GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=16), adapters[i % 3])
+            return [t async for deltas in engine.generate(request) for d in deltas for t in d.token_ids]
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await engine.shutdown()
+
+    assert await tokens("cuda") == await tokens("cpu")
