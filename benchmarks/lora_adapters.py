@@ -10,9 +10,11 @@ gate, up and down, random weights: speed does not depend on what they learned). 
 results/lora_adapters.json.
 
     python -m benchmarks.lora_adapters [--rounds 3] [--requests 96] [--max-tokens 64] [--no-vllm]
+                                       [--vllm-python VENV/bin/python]
 
-vLLM runs with the sample spec's `enforce_eager` (the image has no C++ compiler for torch.compile):
-labelled so in the JSON.
+In the vllm-cpu image vLLM runs with the sample spec's `enforce_eager` (the image has no C++
+compiler for torch.compile), labelled so in the JSON; `--vllm-python` adds vLLM in its default
+configuration (torch.compile on) from a host environment that has one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -127,6 +130,38 @@ def on_vllm(source: Path, adapters: list[str], args) -> dict:
             "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}
 
 
+def on_vllm_host(python: str, source: Path, adapters: list[str], args) -> dict:
+    """vLLM's own server as its documentation starts it, default configuration (torch.compile on),
+    from a Python environment with vLLM's CPU build on this host (which has the C++ compiler the
+    image lacks), the same adapters as --lora-modules."""
+    import subprocess
+
+    from service.launcher import free_port, wait_until_ready
+
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_tiny_model()),
+               "--served-model-name", "tiny-llama", "--port", str(port), "--host", "127.0.0.1",
+               "--max-model-len", "512", "--max-num-seqs", "32", "--enable-lora", "--max-lora-rank", str(args.rank),
+               "--max-loras", str(ADAPTERS), "--max-cpu-loras", str(ADAPTERS),
+               "--lora-modules", *(f"{name}={source / name}" for name in adapters)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with open(source.parent / "vllm-host.log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            began = time.perf_counter()
+            if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
+                raise RuntimeError(f"{reason}: {(source.parent / 'vllm-host.log').read_text()[-2000:]}")
+            ready_s = time.perf_counter() - began
+            rounds = rounds_on(url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
+        finally:
+            process.terminate()
+            process.wait(60)
+    return {"configuration": "vLLM's own server, default configuration (torch.compile on), on the host",
+            "start_to_ready_s": round(ready_s, 1),
+            "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -134,7 +169,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--no-vllm", action="store_true", help="the torch engine only")
+    parser.add_argument("--no-vllm", action="store_true", help="leave out vLLM in the vllm-cpu image (enforce_eager)")
+    parser.add_argument("--vllm-python", help="a Python with vLLM's CPU build (dockerfiles/locks/vllm-cpu.txt): vLLM "
+                                              "in its default configuration, on the host")
     args = parser.parse_args()
     base = ensure_tiny_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,11 +183,12 @@ def main() -> None:
         with ServerProcess(["--model", str(base)], env=env, log_path=Path(tmp) / "server.log") as server:
             name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
             rounds = rounds_on(server.url, name, names, args.rounds, args.requests, args.max_tokens)
+        vllm_default = on_vllm_host(args.vllm_python, source, names, args) if args.vllm_python else None
         vllm = None if args.no_vllm else on_vllm(source, names, args)
     result = {"model": "tiny-llama", "concurrency": CONCURRENCY, "adapters": ADAPTERS, "rank": args.rank,
               "requests_per_round": args.requests, "max_tokens": args.max_tokens,
               "torch": {"mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds},
-              "vllm_cpu": vllm, "adapter": costs}
+              "vllm_cpu_default": vllm_default, "vllm_cpu_eager_image": vllm, "adapter": costs}
     print(write_result("lora_adapters", result, args.out))
 
 
