@@ -19,7 +19,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -76,18 +76,28 @@ class Adapter:
     scaling: float  # peft's lora_alpha / r (or / sqrt(r) with use_rslora)
     modules: frozenset[str]
     version: tuple  # the files' sizes and times: a change is a new adapter
-    weight_bytes: int = field(default=0, compare=False)
 
     def load(self) -> dict[tuple[int, str], tuple[object, object]]:
         """(layer, module) -> (A [r, in], B [out, r] with the scaling folded in), as float32."""
         from safetensors.torch import load_file
 
-        tensors = load_file(self.path / WEIGHTS_FILE)
-        pairs: dict[tuple[int, str], dict[str, object]] = {}
-        for name, tensor in tensors.items():
-            match = TENSOR_NAME.search(name)
-            pairs.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor.float()
-        return {key: (ab["A"], ab["B"] * self.scaling) for key, ab in pairs.items()}
+        return {key: (ab["A"].float(), ab["B"].float() * self.scaling)
+                for key, ab in _lora_pairs(load_file(self.path / WEIGHTS_FILE)).items()}
+
+
+def _lora_pairs(tensors: dict) -> dict[tuple[int, str], dict[str, object]]:
+    """peft's saved tensors by (layer, module): {"A": ..., "B": ...}; a name that is not a LoRA
+    weight of a projection the engines adapt is an AdapterError."""
+    pairs: dict[tuple[int, str], dict[str, object]] = {}
+    for name, tensor in tensors.items():
+        match = TENSOR_NAME.search(name)
+        if not match:
+            raise AdapterError(f"tensor {name!r} is not a LoRA weight of a decoder layer's projection")
+        module = match[3]
+        if module not in LORA_MODULES:
+            raise AdapterError(f"targets {module!r}, which the engines do not adapt ({', '.join(LORA_MODULES)})")
+        pairs.setdefault((int(match[1]), module), {})[match[4]] = tensor
+    return pairs
 
 
 def _version(path: Path) -> tuple:
@@ -121,8 +131,7 @@ def read_adapter(path: Path, shape: ModelShape, max_rank: int) -> Adapter:
     modules = _check_tensors(path, shape, rank)
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return Adapter(path.name, path, rank, float(scaling), modules, _version(path),
-                   (path / WEIGHTS_FILE).stat().st_size)
+    return Adapter(path.name, path, rank, float(scaling), modules, _version(path))
 
 
 def _read_config(path: Path) -> dict:
@@ -153,28 +162,20 @@ def _check_tensors(path: Path, shape: ModelShape, rank: int) -> frozenset[str]:
         raise AdapterError(f"{WEIGHTS_FILE} is corrupt or unreadable: {exc}") from None
     if not tensors:
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
-    modules: set[str] = set()
-    found: dict[tuple[int, str], set[str]] = {}
-    for name, tensor in tensors.items():
-        match = TENSOR_NAME.search(name)
-        if not match:
-            raise AdapterError(f"tensor {name!r} is not a LoRA weight of a decoder layer's projection")
-        layer, module, kind = int(match[1]), match[3], match[4]
-        if module not in LORA_MODULES:
-            raise AdapterError(f"targets {module!r}, which the engines do not adapt ({', '.join(LORA_MODULES)})")
+    pairs = _lora_pairs(tensors)
+    for (layer, module), ab in sorted(pairs.items()):
         if layer >= shape.layers:
             raise AdapterError(f"adapts layer {layer}; the base model has {shape.layers} (a different base model)")
         features_in, features_out = shape.features[module]
-        expected = (rank, features_in) if kind == "A" else (features_out, rank)
-        if tuple(tensor.shape) != expected:
-            raise AdapterError(f"{module} lora_{kind} of layer {layer} is {tuple(tensor.shape)}, the base model "
-                               f"needs {expected} (a different base model, or r does not match the weights)")
-        modules.add(module)
-        found.setdefault((layer, module), set()).add(kind)
-    half = next((key for key, kinds in found.items() if kinds != {"A", "B"}), None)
+        for kind, tensor in sorted(ab.items()):
+            expected = (rank, features_in) if kind == "A" else (features_out, rank)
+            if tuple(tensor.shape) != expected:
+                raise AdapterError(f"{module} lora_{kind} of layer {layer} is {tuple(tensor.shape)}, the base model "
+                                   f"needs {expected} (a different base model, or r does not match the weights)")
+    half = next((key for key, ab in pairs.items() if set(ab) != {"A", "B"}), None)
     if half:
-        raise AdapterError(f"layer {half[0]} {half[1]} has lora_{''.join(found[half])} without its pair")
-    return frozenset(modules)
+        raise AdapterError(f"layer {half[0]} {half[1]} has lora_{''.join(pairs[half])} without its pair")
+    return frozenset(module for _, module in pairs)
 
 
 class AdapterRegistry:
