@@ -227,7 +227,7 @@ class LoadedSpec(BaseModel):
 
     def verify_key(self) -> Path | None:
         key = self.spec.model.verify_key
-        return None if key is None else (Path(key) if Path(key).is_absolute() else self.path.parent / key).resolve()
+        return None if key is None else self.relative(key).resolve()
 
     def relative(self, value: str) -> Path:
         """A path the spec names, relative to the spec's directory unless absolute."""
@@ -239,10 +239,22 @@ class LoadedSpec(BaseModel):
 
     def local_source(self) -> Path | None:
         source = self.spec.model.source
-        if not source.startswith("local://"):
-            return None
-        path = Path(source.removeprefix("local://"))
-        return path if path.is_absolute() else (self.path.parent / path).resolve()
+        return self.relative(source.removeprefix("local://")) if source.startswith("local://") else None
+
+    def local_adapter(self, adapter: AdapterSpec) -> Path | None:
+        """A local:// adapter's directory; None for an oci:// one (pulled at build)."""
+        source = adapter.source
+        return self.relative(source.removeprefix("local://")) if source.startswith("local://") else None
+
+
+def check_adapter(adapter_dir: Path, model_dir: Path | None) -> None:
+    """The runtime's own checks of an adapter against the model (at the runtime's default
+    NIM_MAX_LORA_RANK); nothing to check against without local weights. Raises AdapterError."""
+    from service.adapters import ModelShape, read_adapter
+    from service.settings import Settings
+
+    if model_dir is not None:
+        read_adapter(adapter_dir, ModelShape.of_model(model_dir), Settings.model_fields["max_lora_rank"].default)
 
 
 def _describe(error: dict) -> str:
@@ -299,26 +311,23 @@ def load_spec(path: str | Path) -> LoadedSpec:
 
 
 def _adapter_problems(loaded: LoadedSpec) -> list[str]:
-    """A local adapter must be a PEFT adapter the model can serve (the runtime's own checks, at the
-    runtime's default NIM_MAX_LORA_RANK); an oci:// one needs a key, and is checked once pulled."""
-    from service.adapters import AdapterError, ModelShape, read_adapter
-    from service.settings import Settings
+    """A local adapter must be a PEFT adapter the model can serve (`check_adapter`); an oci:// one
+    needs a key, and is checked once pulled."""
+    from service.adapters import AdapterError
 
-    model = loaded.local_source()
-    shape = ModelShape.of_model(model) if model is not None else None
     problems = []
     for i, adapter in enumerate(loaded.spec.adapters):
-        if adapter.source.startswith("oci://"):
+        local = loaded.local_adapter(adapter)
+        if local is None:
             if loaded.adapter_key(adapter) is None:
                 problems.append(f"adapters.{i}.verify_key: an oci:// adapter is baked only once its signature "
                                 "verifies; name its public key (or model.verify_key)")
             continue
-        local = loaded.relative(adapter.source.removeprefix("local://"))
         if not (local / "adapter_config.json").is_file():
             problems.append(f"adapters.{i}.source: no PEFT adapter (adapter_config.json) at {local}")
-        elif shape is not None:
+        else:
             try:
-                read_adapter(local, shape, Settings.model_fields["max_lora_rank"].default)
+                check_adapter(local, loaded.local_source())
             except AdapterError as exc:
                 problems.append(f"adapters.{i}.source: {local}: {exc}")
         if adapter.dataset and not loaded.relative(adapter.dataset).is_file():

@@ -26,7 +26,7 @@ import jinja2
 from factory.image.flavors import CUDA_HOME, Flavor, flavor as flavor_named
 from factory.image.lock import lock_digest, locked_versions
 from factory.paths import repo_root
-from factory.spec import LoadedSpec
+from factory.spec import LoadedSpec, check_adapter
 from service import image_contract as contract
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
 
@@ -155,11 +155,11 @@ def adapters_digest(loaded: LoadedSpec) -> str:
     """The adapters the image carries: local ones by their files, oci:// ones by digest and key."""
     parts = []
     for adapter in loaded.spec.adapters:
-        key = loaded.adapter_key(adapter)
-        if adapter.source.startswith("oci://"):
-            parts.append(hashlib.sha256(adapter.source.encode() + (key.read_bytes() if key else b"")).hexdigest())
+        if (local := loaded.local_adapter(adapter)) is not None:
+            parts.append(tree_digest(local, skip=_not_weights))
         else:
-            parts.append(tree_digest(loaded.relative(adapter.source.removeprefix("local://")), skip=_not_weights))
+            key = loaded.adapter_key(adapter)
+            parts.append(hashlib.sha256(adapter.source.encode() + (key.read_bytes() if key else b"")).hexdigest())
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -168,20 +168,18 @@ def adapter_dirs(loaded: LoadedSpec) -> dict[str, Path]:
     cache and verified against its key, then checked against the model as the runtime will."""
     from factory.errors import InputError
     from factory.paths import cache_dir
-    from service.adapters import AdapterError, ModelShape, read_adapter
+    from service.adapters import AdapterError
     from service.model_store import ModelSourceError, Trust, locate_model
-    from service.settings import Settings
 
     dirs = {}
     for i, adapter in enumerate(loaded.spec.adapters):
-        if not adapter.source.startswith("oci://"):
-            dirs[adapter.name] = loaded.relative(adapter.source.removeprefix("local://"))
+        if (local := loaded.local_adapter(adapter)) is not None:
+            dirs[adapter.name] = local  # checked when the spec was loaded
             continue
         try:
             path = locate_model(adapter.source, cache_path=cache_dir() / "adapters", base_dir=None, name=adapter.name,
                                 allow_download=True, trust=Trust(True, loaded.adapter_key(adapter))).path
-            if (model := loaded.local_source()) is not None:
-                read_adapter(path, ModelShape.of_model(model), Settings.model_fields["max_lora_rank"].default)
+            check_adapter(path, loaded.local_source())
         except (ModelSourceError, AdapterError) as exc:
             raise InputError(f"{loaded.path}: adapters.{i}.source: {exc}") from None
         dirs[adapter.name] = path
