@@ -285,8 +285,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(job.prompts):
                 request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter)
-                streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n,
-                                              job.adapter.name if job.adapter else None))
+                streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n, job.model))
                 admitted.append(request.request_id)
         except Exception:
             for request_id in admitted:
@@ -335,8 +334,7 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _observed(self, stream: AsyncIterator[list[ChoiceDelta]], prompt_len: int, n: int,
-                        model_name: str | None = None):
+    async def _observed(self, stream: AsyncIterator[list[ChoiceDelta]], prompt_len: int, n: int, model_name: str):
         """Pass a stream through, recording its metrics when it ends, however it ends."""
         start = last = time.perf_counter()
         ttft, gaps, tokens = None, [], 0
