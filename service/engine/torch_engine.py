@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from service.adapters import Adapter, AdapterError, ModelShape
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
                                  SamplingError, SamplingParams)
-from service.adapters import AdapterError, ModelShape
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
@@ -79,7 +79,7 @@ class _RequestState:
         return self.request.params
 
     @property
-    def adapter(self):
+    def adapter(self) -> Adapter | None:
         return self.request.adapter
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:

@@ -27,9 +27,9 @@ import math
 import os
 import shlex
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from service.adapters import Adapter, AdapterRegistry
