@@ -65,6 +65,9 @@ class ModelSource(Strict):
     # A public key (PEM file, relative to the spec) the model's signature must verify against; the
     # image carries it (NIM_MODEL_VERIFY_KEY). Needed by oci:// sources.
     verify_key: str | None = None
+    # How the model writes tool calls, by vLLM's parser names (the image's NIM_TOOL_CALL_PARSER);
+    # unset: the image serves no tool calls.
+    tool_call_parser: Literal["hermes"] | None = None
 
     @field_validator("source")
     @classmethod

@@ -70,7 +70,7 @@ class Runtime:
         self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats,
                                       shared=isinstance(self.engine, PassthroughEngine))
         self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
-                                      self.admission, self.adapters)
+                                      self.admission, self.adapters, self.settings.tool_call_parser)
                         if isinstance(self.engine, Engine) else None)
 
     @property

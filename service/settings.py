@@ -90,6 +90,9 @@ class Settings(BaseModel):
         default=8, ge=1)
     max_cpu_loras: int = _opt(
         "NIM_MAX_CPU_LORAS", "--max-cpu-loras", "Adapters whose weights are kept in host memory.", default=16, ge=1)
+    tool_call_parser: Literal["hermes"] | None = _opt(
+        "NIM_TOOL_CALL_PARSER", "--tool-call-parser", "How the model writes tool calls (vLLM's parser names: hermes); "
+        "unset: requests with tools get a 400 unless tool_choice is none.", default=None)
     api_key: str | None = _opt(
         "NIM_API_KEY", "--api-key", "When set, /v1 inference routes need `Authorization: Bearer <key>`.", default=None)
     max_request_bytes: int = _opt(

@@ -219,7 +219,8 @@ def model_dockerfile(loaded: LoadedSpec, runtime_ref: str, labels: dict[str, str
         peft_dir=contract.PEFT_DIR if spec.adapters else None,
         env={"NIM_SERVED_MODEL_NAME": spec.served_name}
         | ({"NIM_MODEL_VERIFY_KEY": contract.MODEL_VERIFY_KEY} if spec.model.verify_key else {})
-        | ({"NIM_PEFT_SOURCE": contract.PEFT_DIR} if spec.adapters else {}), labels=labels)
+        | ({"NIM_PEFT_SOURCE": contract.PEFT_DIR} if spec.adapters else {})
+        | ({"NIM_TOOL_CALL_PARSER": spec.model.tool_call_parser} if spec.model.tool_call_parser else {}), labels=labels)
 
 
 def write_model_context(loaded: LoadedSpec, out: Path, runtime_ref: str, digest: str) -> Path:

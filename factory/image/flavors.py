@@ -105,7 +105,8 @@ def lock_file(name: str, root: Path | None = None) -> Path:
 
 
 FLAVORS: dict[str, Flavor] = {
-    "cpu": Flavor("cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_28", local_wheels=True),
+    # xgrammar declares Triton for its CUDA mask kernel; on CPU it masks with its own C++ kernel.
+    "cpu": Flavor("cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_28", no_emit=("triton",), local_wheels=True),
     # vLLM's CPU build: the same vllm package and OpenAI server as the CUDA build. Its declared
     # torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import transformers` on CPU.
     # Platform: Debian bookworm's glibc 2.36 (vLLM's dependencies need newer than manylinux_2_28).

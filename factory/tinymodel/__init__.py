@@ -24,9 +24,23 @@ MARKER = "inferkiln-tiny-model.json"
 MODEL_NAME = "tiny-llama"  # the directory name, hence the served model name without a manifest
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Plain turns as `<|role|>content</s>`; calls and their results in the Hermes format
+# (service/api/tool_calls.py), which the model never saw in training: constrained decoding writes it.
+# Tools are listed as `name(parameter, ...)` only: their full schemas would not fit the 512-token
+# context in this small vocabulary, and the grammar holds them anyway.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|><tools>{% for tool in tools %}{% set function = tool['function'] %}"
+    "{{ ' ' if not loop.first }}{{ function['name'] }}("
+    "{{ ((function['parameters'] or {})['properties'] or {}) | join(', ') }}){% endfor %}</tools>{{ eos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|user|><tool_response>\n{{ message['content'] }}\n</tool_response>{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "<|assistant|>{{ message['content'] or '' }}{% for call in message['tool_calls'] %}"
+    "<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>{% endfor %}{{ eos_token }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 

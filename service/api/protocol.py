@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 
 class OpenAIBase(BaseModel):
@@ -66,9 +66,43 @@ class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
+class JsonSchema(OpenAIBase):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBase):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(OpenAIBase):
+    """vLLM's `structured_outputs`: exactly one constraint, and how JSON may be spaced."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object, structural_tag; "
+                             f"got {len(given)}")
+        return self
 
 
 class Usage(ResponseBase):
@@ -95,6 +129,10 @@ class SamplingFields(OpenAIBase):
     stop_token_ids: list[TokenId] | None = Field(
         None, description="Extension: token ids that end a choice.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (vLLM's): constrain the output to a JSON schema, regex, choice or grammar.")
+    prompt_logprobs: LogprobCount | None = Field(
+        None, description="Extension (vLLM's): each prompt token's logprob and this many likeliest alternatives.")
 
 
 # -- chat completions ----------------------------------------------------------------------
@@ -103,15 +141,49 @@ class TextPart(OpenAIBase):
     text: Text
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBase):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(OpenAIBase):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBase):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBase):
+    name: str
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,8 +194,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -141,9 +213,21 @@ class ChatChoiceLogprobs(ResponseBase):
     content: list[ChatLogprob] | None = None
 
 
+class ResponseFunction(ResponseBase):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseToolCall(ResponseBase):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(ResponseBase):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(ResponseBase):
@@ -154,6 +238,15 @@ class ChatChoice(ResponseBase):
     stop_reason: int | str | None = Field(None, description="Extension: the stop string or token that ended it.")
 
 
+class PromptLogprob(ResponseBase):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(ResponseBase):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -161,11 +254,34 @@ class ChatCompletionResponse(ResponseBase):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="Extension (vLLM's): see the request's.")
+
+
+class OmitNone(ResponseBase):
+    """Fields left None are absent, as in OpenAI's stream: a client that merges deltas (the official
+    one's stream helper) would otherwise take a later null for the value an earlier delta set."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunction(OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class ChatDelta(ResponseBase):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(ResponseBase):
@@ -209,6 +325,7 @@ class CompletionChoice(ResponseBase):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="Extension (vLLM's): see the request's.")
 
 
 class CompletionResponse(ResponseBase):

@@ -21,8 +21,12 @@ from service.api.errors import ServingError, bad_request, from_exception, sse_er
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprob,
                                   ChatLogprobTop, ChatResponseMessage, CompletionChoice, CompletionLogprobs,
-                                  CompletionRequest, CompletionResponse, SamplingFields, Usage)
+                                  CompletionRequest, CompletionResponse, DeltaFunction, DeltaToolCall, PromptLogprob,
+                                  PromptLogprobs, ResponseFunction, ResponseToolCall, SamplingFields,
+                                  StructuredOutputs, Usage)
+from service.api.tool_calls import HermesParser, ToolCallDelta, tool_constraint
 from service.engine.base import ChoiceDelta, Engine, GenerationRequest, SamplingParams, TokenLogprob
+from service.engine.grammar import Constraint, GrammarError
 from service.metrics import ServiceMetrics
 
 DONE = "data: [DONE]\n\n"
@@ -37,8 +41,10 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
@@ -55,6 +61,7 @@ class Job:
     params: SamplingParams
     model: str  # the id the request named: the base model's or a LoRA adapter's
     adapter: Adapter | None = None
+    grammar: object = None  # the compiled constraint every choice follows
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
@@ -84,65 +91,162 @@ class SSEStream:
 
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission,
-                 adapters: AdapterRegistry | None = None) -> None:
+                 adapters: AdapterRegistry | None = None, tool_call_parser: str | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
-        self.admission, self.adapters = admission, adapters
+        self.admission, self.adapters, self.tool_call_parser = admission, adapters, tool_call_parser
         self._encode = prompt_encoder(tokenizer)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str):
         adapter = self._resolve_model(req.model)
-        self._check_chat_support(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         self.admission.check_size(1, req.n)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
-        except TemplateError as exc:  # the template's own refusal (a role order it does not take)
-            raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
+        functions = self._functions(req)
+        calls = functions is not None and req.tool_choice != "none"  # the reply is parsed for tool calls
+        prompt = self._chat_prompt(req, functions)
+        grammar = await self._compile(*self._chat_constraint(req, functions if calls else None))
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling(req, [prompt], max_tokens, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter)
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                prompt_logprobs=req.prompt_logprobs)
+        job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._chat_stream(job, events, include_usage))
+            return SSEStream(job, self._chat_stream(job, events, include_usage, calls))
         await self._drain(events)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for i, c in sorted(job.choices.items())]
-        return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
+        choices = []
+        for i, c in sorted(job.choices.items()):
+            message = self._chat_message(c.text, calls)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=self._finish_reason(c.finish_reason, bool(message.tool_calls)),
+                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                                      stop_reason=c.stop_reason))
+        prompt_logprobs = self._prompt_logprobs(prompt, job.choices[0].prompt_logprobs) if req.prompt_logprobs is not None else None
+        return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage,
+                                      prompt_logprobs=prompt_logprobs)
 
-    def _check_chat_support(self, req: ChatCompletionRequest) -> None:
-        if req.tools:
-            raise bad_request("tools are not supported by this model", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this model", "tool_choice")
-        if req.response_format and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported", "response_format")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    def _functions(self, req: ChatCompletionRequest) -> list[dict] | None:
+        """The request's functions (OpenAI's tool definitions), once the tool choice is checked."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        if choice != "none" and self.tool_call_parser is None:
+            raise bad_request("tool calls are not supported by this server: it runs without NIM_TOOL_CALL_PARSER", "tools")
+        functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools]
+        if not isinstance(choice, str | None) and choice.function.name not in {f["name"] for f in functions}:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not one of the tools", "tool_choice")
+        return functions
 
-    async def _chat_stream(self, job: Job, events, include_usage: bool) -> AsyncIterator[str]:
+    def _chat_prompt(self, req: ChatCompletionRequest, functions: list[dict] | None) -> list[int]:
+        messages = []
+        for m in req.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        tools = [{"type": "function", "function": f} for f in functions] if functions else None
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        except TemplateError as exc:  # the template's own refusal (a role order it does not take)
+            raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
+
+    def _chat_constraint(self, req: ChatCompletionRequest, functions: list[dict] | None) -> tuple[Constraint | None, str]:
+        """The one constraint a chat request may carry, and the parameter that named it."""
+        given = []
+        if req.response_format and req.response_format.type == "json_object":
+            given.append((Constraint("json_object"), "response_format"))
+        elif req.response_format and req.response_format.type == "json_schema":
+            schema = req.response_format.json_schema.schema_ or {}
+            given.append((Constraint.json_schema(schema), "response_format"))
+        if req.structured_outputs:
+            given.append((self._structured(req.structured_outputs), "structured_outputs"))
+        if functions:
+            choice = req.tool_choice or "auto"
+            choice = choice if isinstance(choice, str) else choice.model_dump()
+            given.append((tool_constraint(functions, choice, req.parallel_tool_calls is not False), "tool_choice"))
+        if len(given) > 1:
+            raise bad_request(f"{given[0][1]} and {given[1][1]} each constrain the reply; give one", given[1][1])
+        return given[0] if given else (None, "")
+
+    @staticmethod
+    def _structured(fields: StructuredOutputs) -> Constraint:
+        spacing = not fields.disable_any_whitespace
+        if fields.json_ is not None:
+            return Constraint.json_schema(fields.json_, any_whitespace=spacing)
+        if fields.json_object:
+            return Constraint("json_object")
+        if fields.choice is not None:
+            return Constraint.choice(fields.choice)
+        for kind in ("regex", "grammar", "structural_tag"):
+            if getattr(fields, kind) is not None:
+                return Constraint(kind, getattr(fields, kind))
+        raise bad_request("structured_outputs.json_object: false constrains nothing", "structured_outputs")
+
+    async def _compile(self, constraint: Constraint | None, param: str):
+        """The engine's grammar for the constraint, compiled on a worker thread; 400 when it cannot be."""
+        if constraint is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.engine.compile_grammar, constraint)
+        except GrammarError as exc:
+            raise bad_request(f"{param}: the constraint cannot be compiled: {exc}", param) from None
+
+    def _chat_message(self, text: str, calls: bool) -> ChatResponseMessage:
+        if not calls:
+            return ChatResponseMessage(content=text)
+        parser = HermesParser()
+        content, _ = parser.feed(text)
+        rest, _ = parser.finish()
+        tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+                      for c in parser.calls]
+        return ChatResponseMessage(content=(content + rest) or (None if tool_calls else ""), tool_calls=tool_calls)
+
+    @staticmethod
+    def _finish_reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if reason == "stop" and called else reason
+
+    async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
 
+        parsers = {index: HermesParser() for index in range(job.params.n)} if calls else {}
+        called: set[int] = set()
         try:
             for index in range(job.params.n):
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
             async for index, delta in events:
-                if delta.text or delta.finish_reason or delta.logprobs and job.params.logprobs is not None:
-                    logprobs = self._chat_logprobs(delta.logprobs) if job.params.logprobs is not None else None
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
-                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                content, tool_deltas = delta.text, []
+                if calls:
+                    content, tool_deltas = parsers[index].feed(delta.text)
+                    if delta.finish_reason:
+                        rest, more = parsers[index].finish()
+                        content, tool_deltas = content + rest, tool_deltas + more
+                    if tool_deltas:
+                        called.add(index)
+                logprobs = self._chat_logprobs(delta.logprobs) if job.params.logprobs is not None else None
+                if content or tool_deltas or delta.finish_reason or delta.logprobs and logprobs is not None:
+                    finish = self._finish_reason(delta.finish_reason, index in called)
+                    body = ChatDelta(content=content if content or not tool_deltas else None,
+                                     tool_calls=[self._tool_delta(d) for d in tool_deltas] or None)
+                    yield chunk([ChatChunkChoice(index=index, delta=body, logprobs=logprobs,
+                                                 finish_reason=finish, stop_reason=delta.stop_reason)])
             if include_usage:
                 yield chunk([], job.usage)
         except Exception as exc:  # a started stream reports failure in-band
             yield sse_error(from_exception(exc))
         yield DONE
+
+    @staticmethod
+    def _tool_delta(delta: ToolCallDelta) -> DeltaToolCall:
+        return DeltaToolCall(index=delta.index, id=delta.id, type="function" if delta.id else None,
+                             function=DeltaFunction(name=delta.name, arguments=delta.arguments))
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
         def entry(token: str, logprob: float) -> dict:
@@ -159,22 +263,50 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = self._completion_prompts(req.prompt, req.n)
-        params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs)
-        job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter)
+        constraint = self._structured(req.structured_outputs) if req.structured_outputs else None
+        grammar = await self._compile(constraint, "structured_outputs")
+        scored = req.logprobs if req.echo else None  # echo with logprobs scores the prompt (lm-eval's loglikelihood)
+        params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,
+                                prompt_logprobs=max(scored or 0, req.prompt_logprobs or 0)
+                                if scored is not None or req.prompt_logprobs is not None else None)
+        job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._completion_stream(job, events, include_usage, echoes))
+            return SSEStream(job, self._completion_stream(job, events, include_usage, echoes, req))
         await self._drain(events)
-        choices = [CompletionChoice(index=i, text=echoes[i // params.n] + c.text,
-                                    logprobs=self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for i, c in sorted(job.choices.items())]
+        choices = []
+        for i, c in sorted(job.choices.items()):
+            prompt = prompts[i // params.n]
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(self._echoed(prompt, c.prompt_logprobs, scored) + c.logprobs, 0)
+            choices.append(CompletionChoice(
+                index=i, text=echoes[i // params.n] + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=self._prompt_logprobs(prompt, c.prompt_logprobs) if req.prompt_logprobs is not None else None))
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
+
+    def _echoed(self, prompt: list[int], scored: list[TokenLogprob | None] | None, top: int | None) -> list:
+        """The prompt's entries of an echoed completion's logprobs: the first token has none (None)."""
+        if top is None or scored is None:
+            return []
+        return [lp or TokenLogprob(prompt[0], self.tokenizer.decode([prompt[0]]), None) for lp in scored]
+
+    def _prompt_logprobs(self, prompt: list[int], scored: list[TokenLogprob | None] | None) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else the token and the likeliest."""
+        result: PromptLogprobs = []
+        for lp in scored or [None] * len(prompt):
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {t.token_id: PromptLogprob(logprob=t.logprob, rank=rank, decoded_token=t.token)
+                     for rank, t in enumerate(lp.top, 1)}
+            entry[lp.token_id] = PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.token)
+            result.append(entry)
+        return result
 
     def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -197,24 +329,37 @@ class OpenAIServing:
             token_lists.append(list(item))
         return token_lists
 
-    async def _completion_stream(self, job: Job, events, include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
+    async def _completion_stream(self, job: Job, events, include_usage: bool, echoes: list[str],
+                                 req: CompletionRequest) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             body = CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json()}\n\n"
 
         offsets: dict[int, int] = {}
+        scored = req.logprobs if req.echo else None
+        echoed: set[int] = set()  # with logprobs, a choice's echo waits for its prompt's logprobs
         try:
             for index in range(len(job.prompts) * job.params.n):
-                if echoes[index // job.params.n]:
+                if echoes[index // job.params.n] and scored is None:
                     yield chunk([CompletionChoice(index=index, text=echoes[index // job.params.n])])
             async for index, delta in events:
-                if delta.text or delta.finish_reason or delta.logprobs and job.params.logprobs is not None:
+                entries = delta.logprobs
+                text = delta.text
+                if scored is not None and index not in echoed:
+                    echoed.add(index)
+                    entries = self._echoed(job.prompts[index // job.params.n], delta.prompt_logprobs, scored) + entries
+                    text = echoes[index // job.params.n] + text
+                if text or delta.finish_reason or entries and job.params.logprobs is not None:
                     logprobs = None
                     if job.params.logprobs is not None:
-                        logprobs = self._completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(len(lp.token) for lp in delta.logprobs)
-                    yield chunk([CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
-                                                  finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                        logprobs = self._completion_logprobs(entries, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(lp.token) for lp in entries)
+                    prompt_logprobs = None
+                    if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                        prompt_logprobs = self._prompt_logprobs(job.prompts[index // job.params.n], delta.prompt_logprobs)
+                    yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                  finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                                  prompt_logprobs=prompt_logprobs)])
             if include_usage:
                 yield chunk([], job.usage)
         except Exception as exc:
@@ -229,7 +374,7 @@ class OpenAIServing:
             offset += len(lp.token)
             result.tokens.append(lp.token)
             result.token_logprobs.append(lp.logprob)
-            result.top_logprobs.append({t.token: t.logprob for t in lp.top})
+            result.top_logprobs.append({t.token: t.logprob for t in lp.top} if lp.logprob is not None else None)
         return result
 
     # -- shared ----------------------------------------------------------------------------
@@ -245,7 +390,7 @@ class OpenAIServing:
         return adapter
 
     def _sampling(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, max_param: str,
-                  logprobs: int | None) -> SamplingParams:
+                  logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         limit = self.engine.max_model_len
         longest = max(len(p) for p in prompts)
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -267,7 +412,7 @@ class OpenAIServing:
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logit_bias=self._logit_bias(req.logit_bias))
+            logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         result = []
@@ -284,7 +429,7 @@ class OpenAIServing:
         streams, admitted = [], []
         try:
             for i, prompt in enumerate(job.prompts):
-                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter)
+                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter, job.grammar)
                 streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n, job.model))
                 admitted.append(request.request_id)
         except Exception:

@@ -28,6 +28,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus k alternatives
 
     @property
     def greedy(self) -> bool:
@@ -40,6 +41,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: Adapter | None = None  # a LoRA adapter of the registry; None: the base model
+    grammar: Any = None  # a grammar the engine compiled (`Engine.compile_grammar`) that every choice follows
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 1  # 1 + how many tokens the model found likelier
 
 
 @dataclass
@@ -67,6 +70,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | None = None
+    # On a choice's first delta when the request asked for them: per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,13 @@ class Engine(EngineBase):
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
+
+    def compile_grammar(self, constraint) -> Any:
+        """A structured-output constraint compiled for `GenerationRequest.grammar`; blocking, so the
+        HTTP layer calls it on a worker thread. Raises GrammarError (a 400) for one it cannot compile."""
+        from service.engine.grammar import GrammarError
+
+        raise GrammarError("this engine does not constrain its outputs")
 
 
 class PassthroughEngine(EngineBase):

@@ -101,12 +101,12 @@ class LlamaGraph(torch.nn.Module):
     def forward(self, token_ids: List[List[int]], chunk_lengths: List[int], chunk_starts: List[int],
                 block_tables: List[List[int]], length: int,
                 rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                adapter_slots: Optional[List[int]] = None) -> torch.Tensor:
+                adapter_slots: Optional[List[int]] = None, every_position: bool = False) -> torch.Tensor:
         """Chunks as right-padded `token_ids` [batch, width] at `chunk_starts`, with block tables padded
         alike; `length` = max(start + its length). `rope`: cos/sin of positions 0..length-1 where
         they change with length (else the graph's own tables). `adapter_slots`: each chunk's LoRA slot
         (0: the base model), None when no chunk has an adapter. Returns the logits after each chunk's
-        last token: [batch, vocab].
+        last token: [batch, vocab]; with `every_position` (one chunk), after each of its tokens: [width, vocab].
 
         Inputs are lists, not tensors: a tensor made in Python and released inside the graph would
         take the GIL back to drop its Python object."""
@@ -140,7 +140,9 @@ class LlamaGraph(torch.nn.Module):
             masks = [(slots == columns.view(1, 1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
         hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal,
                               masks)
-        if width == 1:
+        if every_position:
+            last = hidden[0, :chunk_lengths[0]]
+        elif width == 1:
             last = hidden[:, 0]
         else:
             last = hidden[torch.arange(batch, device=device), lengths - 1]

@@ -102,14 +102,15 @@ class LlamaRunner:
     def bytes_per_block(self) -> int:
         return 2 * self.keys[:, :self.block_size].numel() * self.keys.element_size()
 
-    def forward(self, chunks: list[tuple[list[int], list[int], int]], adapter_slots: list[int] | None = None) -> torch.Tensor:
+    def forward(self, chunks: list[tuple[list[int], list[int], int]], adapter_slots: list[int] | None = None,
+                every_position: bool = False) -> torch.Tensor:
         """Run `(tokens, block_table, start)` chunks together: prompt chunks, or one token each;
         `adapter_slots` gives each chunk's LoRA slot in the pool (None or all 0: the base model).
 
         Each chunk's tokens are written at positions start.. of its sequence and attend to
         everything before them. Chunks of different lengths are right-padded; padded queries are
         computed but never written or returned. Returns the logits after each chunk's last token:
-        [chunks, vocab].
+        [chunks, vocab]; with `every_position` (one chunk only), the logits after each of its tokens.
         """
         self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
         width = max(len(tokens) for tokens, _, _ in chunks)
@@ -123,7 +124,7 @@ class LlamaRunner:
         with torch.jit.optimized_execution(False):
             if adapter_slots is not None and not any(adapter_slots):
                 adapter_slots = None  # the base model alone skips the LoRA matmuls
-            return self.graph(ids, lengths, starts, tables, length, rope, adapter_slots)
+            return self.graph(ids, lengths, starts, tables, length, rope, adapter_slots, every_position)
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..length-1, from the model's rotary module."""

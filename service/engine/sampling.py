@@ -59,9 +59,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 def token_logprob(raw_logits: torch.Tensor, token_id: int, top_n: int, token_text) -> TokenLogprob:
     """Log-probabilities from the model's own distribution (before sampling adjustments), as vLLM does."""
-    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    top: tuple[TopLogprob, ...] = ()
+    return scored_tokens(raw_logits.unsqueeze(0), [token_id], top_n, token_text)[0]
+
+
+def scored_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int, token_text) -> list[TokenLogprob]:
+    """Row i's log-probability of token_ids[i] with its rank, and the row's `top_n` likeliest tokens:
+    one log_softmax over all rows (a prompt's logprobs are one row per token)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    tops: list[tuple[TopLogprob, ...]] = [()] * len(token_ids)
     if top_n > 0:
-        values, ids = torch.topk(logprobs, top_n)
-        top = tuple(TopLogprob(int(i), token_text(int(i)), float(v)) for v, i in zip(values, ids))
-    return TokenLogprob(token_id, token_text(token_id), float(logprobs[token_id]), top)
+        values, ids = torch.topk(logprobs, top_n, dim=-1)
+        tops = [tuple(TopLogprob(i, token_text(i), v) for v, i in zip(row_values, row_ids))
+                for row_values, row_ids in zip(values.tolist(), ids.tolist())]
+    return [TokenLogprob(token_id, token_text(token_id), value, top, rank)
+            for token_id, value, top, rank in zip(token_ids, chosen.squeeze(1).tolist(), tops, ranks)]

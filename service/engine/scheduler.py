@@ -55,6 +55,7 @@ class Request:
     max_len: int = 0  # the most tokens (prompt and output) a choice may reach; 0: the prompt and one more
     owner: Any = None  # the engine's record of the request
     cache_root: int = 0  # seeds its prefix-cache keys: requests of different roots share no KV (LoRA adapters)
+    reuse_cache: bool = True  # False: its prompt is computed in full (prompt logprobs need every position's logits)
     seqs: list[Sequence] = field(init=False)
     forked: bool = field(init=False)  # the choices past the first have their own blocks
 
@@ -192,7 +193,7 @@ class Scheduler:
                 return
             request = self.waiting[0]
             leader = request.seqs[0]
-            hit = self.pool.cached_prefix(leader.tokens, request.cache_root)
+            hit = self._cached_prefix(leader)
             size = min(leader.to_compute - len(hit) * self.pool.block_size, max(budget, 1))
             if budget <= 0 and size > 1:
                 return
@@ -201,10 +202,14 @@ class Scheduler:
                 return
             self.waiting.popleft()
             for seq in request.active():
-                self._take_cached_prefix(seq, hit if seq is leader else self.pool.cached_prefix(seq.tokens, request.cache_root))
+                self._take_cached_prefix(seq, hit if seq is leader else self._cached_prefix(seq))
             self.running.append(request)
             for seq in request.active():
                 budget = self._schedule_seq(seq, budget, plan)
+
+    def _cached_prefix(self, seq: Sequence) -> list[Block]:
+        request = seq.request
+        return self.pool.cached_prefix(seq.tokens, request.cache_root) if request.reuse_cache else []
 
     def _take_cached_prefix(self, seq: Sequence, hit: list[Block]) -> None:
         self.pool.acquire(hit)

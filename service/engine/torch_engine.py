@@ -33,11 +33,12 @@ import torch
 
 from service.adapters import Adapter, AdapterError, ModelShape
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 SamplingError, SamplingParams)
+                                 SamplingError, SamplingParams, TokenLogprob)
+from service.engine.grammar import Constraint, GrammarCompiler
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
-from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
+from service.engine.sampling import make_generator, process_logits, sample_token, scored_tokens, token_logprob
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
 
@@ -70,6 +71,8 @@ class _RequestState:
     generators: list[torch.Generator]
     scheduled: Request
     slot: int = 0  # the LoRA pool's slot of the request's adapter; 0: the base model (or none yet)
+    matchers: list | None = None  # per choice, the grammar's matcher of a constrained request
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, filled as its chunks run
     aborted: bool = False
     done: bool = False
     error: EngineError | None = None
@@ -144,6 +147,7 @@ class TorchEngine(Engine):
         if max_model_len and max_model_len > limit:
             raise ValueError(f"NIM_MAX_MODEL_LEN={max_model_len} exceeds the model's limit of {limit}")
         self.max_model_len = max_model_len or limit
+        self.vocab_size = config.vocab_size  # the logits' width, which may exceed the tokenizer's
         try:
             eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
         except OSError:  # no generation_config.json
@@ -154,6 +158,14 @@ class TorchEngine(Engine):
         self.eos_ids = frozenset(eos_ids)
         self._token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
         self._detokenizer = detokenizer_factory(self.tokenizer)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    def compile_grammar(self, constraint: Constraint):
+        with self._grammars_lock:  # made on first use: requests without constraints never import xgrammar
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_ids))
+        return self._grammars.compile(constraint)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -213,11 +225,16 @@ class TorchEngine(Engine):
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
         # KV computed with one adapter is never another's: each adapter's prefix cache is its own
         root = hash((request.adapter.name, request.adapter.version)) if request.adapter else 0
-        scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new, cache_root=root)
+        scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new, cache_root=root,
+                            reuse_cache=params.prompt_logprobs is None)
         self.scheduler.check_fits(scheduled)  # RequestTooLargeError: a 400 before anything is queued
         outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
         state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
                               [make_generator(params, i, self.device) for i in range(params.n)], scheduled)
+        if request.grammar is not None:
+            state.matchers = [self._grammars.matcher(request.grammar) for _ in range(params.n)]
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt)
         scheduled.owner = state
         with self._cond:
             self._incoming.append(state)
@@ -331,11 +348,15 @@ class TorchEngine(Engine):
 
     def _execute(self, plan: StepPlan, deltas: dict) -> dict[Sequence, int]:
         """Prompt chunks in one forward and decodes in another (padding a decode to a chunk's width
-        would waste its compute); a chunk whose forward failed leaves the plan."""
+        would waste its compute); a chunk whose prompt logprobs are asked for runs alone, for the
+        logits after each of its tokens. A chunk whose forward failed leaves the plan."""
+        prompts = [c for c in plan.chunks if len(c.tokens) > 1]
+        scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None]
         done: list[tuple[Chunk, torch.Tensor]] = []
-        for group in ([c for c in plan.chunks if len(c.tokens) > 1], [c for c in plan.chunks if len(c.tokens) == 1]):
+        for group in ([c for c in prompts if c not in scored], *([c] for c in scored),
+                      [c for c in plan.chunks if len(c.tokens) == 1]):
             if group:
-                done += self._forward(group, deltas)
+                done += self._forward(group, deltas, every_position=bool(scored) and group[0] in scored)
         plan.chunks = [chunk for chunk, _ in done]
         self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
         sampled: dict[Sequence, int] = {}
@@ -344,14 +365,29 @@ class TorchEngine(Engine):
                 self._sample(chunk.samples, logits.unsqueeze(0).expand(len(chunk.samples), -1), deltas, sampled)
         return sampled
 
-    def _forward(self, group: list[Chunk], deltas: dict) -> list[tuple[Chunk, torch.Tensor]]:
+    def _score_prompt(self, chunk: Chunk, logits: torch.Tensor) -> None:
+        """Row i of a chunk's logits predicts the token after its i-th: record each prompt token's logprob."""
+        state = chunk.seq.request.owner
+        prompt = state.request.prompt_token_ids
+        rows = min(len(chunk.tokens), len(prompt) - 1 - chunk.start)
+        if rows > 0:
+            scored = scored_tokens(logits[:rows], prompt[chunk.start + 1:chunk.start + 1 + rows],
+                                   state.params.prompt_logprobs, self._token_text)
+            state.prompt_logprobs[chunk.start + 1:chunk.start + 1 + rows] = scored
+
+    def _forward(self, group: list[Chunk], deltas: dict, every_position: bool = False) -> list[tuple[Chunk, torch.Tensor]]:
         """One forward for the group; if it fails, each chunk alone. A chunk that fails while others
         pass failed for its own input and ends its request only; a group in which none passes is
         the engine's failure, until a decode step works again (a prefill that works does not prove
         the device well: a faulted GPU may fail only decodes)."""
         def run(chunks: list[Chunk]) -> torch.Tensor:
             slots = [c.seq.request.owner.slot for c in chunks] if self.lora else None
-            return self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots)
+            logits = self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots,
+                                         every_position)
+            if every_position:  # the one chunk's logits at each position; it samples from the last
+                self._score_prompt(chunks[0], logits)
+                return logits[-1:]
+            return logits
 
         try:
             done, failed = list(zip(group, run(group))), []
@@ -374,7 +410,13 @@ class TorchEngine(Engine):
         return done
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
-        """Each sequence samples with its own parameters and generator; greedy rows share one argmax."""
+        """Each sequence samples with its own parameters and generator; greedy rows share one argmax.
+        Rows under a grammar first lose the tokens it forbids (on a copy: rows may share storage)."""
+        constrained = [(row, seq.request.owner.matchers[seq.index]) for row, seq in enumerate(seqs)
+                       if seq.request.owner.matchers and not seq.request.owner.outputs[seq.index].finished]
+        if constrained:
+            logits = logits.clone()
+            self._grammars.mask(logits, constrained)
         greedy = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
             state = seq.request.owner
@@ -393,7 +435,17 @@ class TorchEngine(Engine):
                 self._fail(state, exc, deltas)
                 continue
             sampled[seq] = token
-            deltas[state].append(output.append(token, logprob))
+            first = not output.token_ids
+            delta = output.append(token, logprob)
+            if first and state.prompt_logprobs is not None:
+                delta.prompt_logprobs = state.prompt_logprobs
+            deltas[state].append(delta)
+            if state.matchers:  # a grammar at its end ends the choice, as its stop token would (ignore_eos)
+                matcher = state.matchers[seq.index]
+                if not matcher.accept_token(token):
+                    self._fail(state, EngineError(f"token {token} broke the request's grammar"), deltas)
+                elif matcher.is_terminated() and not output.finished:
+                    deltas[state].append(output.finish("stop"))
 
     def _fail(self, state: _RequestState, exc: Exception, deltas: dict) -> None:
         """End one request with an error; the client learns what it can act on, the log the rest."""

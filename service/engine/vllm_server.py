@@ -71,7 +71,8 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
     The queue bound is vLLM's own (`--max-num-queued-reqs`, a 503 counted across its API servers),
     the drain after SIGTERM ours: `--shutdown-timeout` lets vLLM wait that long for its API servers.
     vLLM's access log is off: the contract logs one line per request, with its id. With
-    NIM_PEFT_SOURCE, LoRA is on and the adapters the registry accepted are vLLM's `--lora-modules`."""
+    NIM_PEFT_SOURCE, LoRA is on and the adapters the registry accepted are vLLM's `--lora-modules`; with
+    NIM_TOOL_CALL_PARSER, vLLM parses tool calls with its parser of that name."""
     tags = profile.tags
     args: dict[str, Any] = {"model": str(model_dir), "served_model_name": served_name, "host": settings.host,
                             "port": settings.server_port, "tensor_parallel_size": tags.tp,
@@ -86,6 +87,8 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
     if settings.tensor_parallel_size:
         args["tensor_parallel_size"] = settings.tensor_parallel_size
     args["enable_prefix_caching"] = settings.enable_kv_cache_reuse
+    if settings.tool_call_parser:
+        args.update(enable_auto_tool_choice=True, tool_call_parser=settings.tool_call_parser)
     if settings.peft_source:
         args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(settings.max_lora_rank),
                     max_loras=settings.max_gpu_loras, max_cpu_loras=max(settings.max_cpu_loras, settings.max_gpu_loras))

@@ -80,17 +80,30 @@ def test_out_of_range_values(server, route, body, param):
 
 @pytest.mark.parametrize("route,body,param", [
     (CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format"),
     (CHAT, chat_body(functions=[{"name": "f"}]), "functions"),
     (CHAT, chat_body(modalities=["audio"]), "modalities"),
     (COMPLETIONS, completion_body(suffix="end"), "suffix"),
     (COMPLETIONS, completion_body(best_of=3), "best_of"),
-    (COMPLETIONS, completion_body(echo=True, logprobs=1), "echo"),
     (COMPLETIONS, completion_body(made_up_option=1), "made_up_option"),
 ])
 def test_unsupported_parameters_are_refused(server, route, body, param):
     error = assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
     assert "support" in error["message"]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), "response_format"),
+    (CHAT, chat_body(response_format={"type": "json_schema"}), "response_format"),
+    (COMPLETIONS, completion_body(structured_outputs={"regex": "(unclosed"}), "structured_outputs"),
+    (COMPLETIONS, completion_body(structured_outputs={"grammar": "root ::= "}), "structured_outputs"),
+    (COMPLETIONS, completion_body(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    (CHAT, chat_body(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "structured_outputs"),
+    (CHAT, chat_body(tool_choice="required"), "tool_choice"),
+    (COMPLETIONS, completion_body(prompt_logprobs=50), "prompt_logprobs"),
+])
+def test_constraints_that_cannot_be_followed_are_400(server, route, body, param):
+    assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
 
 
 @pytest.mark.parametrize("route,body", [(CHAT, chat_body()), (COMPLETIONS, completion_body())])

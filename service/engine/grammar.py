@@ -1,0 +1,117 @@
+"""Structured outputs for the torch engine: grammars compiled by xgrammar, a token bitmask per step.
+
+A request's constraint (`Constraint`: a JSON schema, any JSON, a regex, a choice, an EBNF grammar or
+an xgrammar structural tag) is compiled once per distinct constraint (xgrammar caches by its text)
+on a thread of its own, never on the event loop. Each constrained choice gets a `GrammarMatcher`;
+before sampling, every constrained row of the batch has the tokens its grammar forbids masked to
+-inf, in place, so constrained and free sequences decode in the same step. The grammar's end admits
+only the model's stop tokens, so a finished constraint ends the choice as a stop token does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+COMPILE_THREADS = 2
+# xgrammar prefixes its messages with a timestamp and a C++ source position
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled: the request's fault (a 400 naming the reason)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains its output to; `value` is the constraint's text (a schema as JSON)."""
+
+    kind: ConstraintKind
+    value: str = ""
+    any_whitespace: bool = False  # JSON: whitespace of any length between tokens (vLLM's default is on)
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = False) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
+        return cls("json", json.dumps(bounded_strings(schema)), any_whitespace)  # properties keep their order
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Constraint:
+        return cls("choice", json.dumps(options))
+
+
+# A string of bounded length as a pattern that keeps JSON's rule: no quote, backslash or control
+# character. xgrammar 0.2.8 writes a bounded string as [^"\\\r\n]{min,max}, which lets the other
+# control characters (U+0000-U+001F) through unescaped: JSON no parser accepts.
+_PLAIN_CHARACTER = '[^"\\\\\\x00-\\x1f]'
+
+
+def bounded_strings(schema):
+    """The schema with each length-bounded string (no pattern, format, enum or const of its own)
+    constrained by an equivalent pattern of JSON-valid characters."""
+    if isinstance(schema, list):
+        return [bounded_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: bounded_strings(value) for key, value in schema.items()}
+    if (schema.get("type") == "string" and ("minLength" in schema or "maxLength" in schema)
+            and not {"pattern", "format", "enum", "const"} & schema.keys()):
+        low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
+        schema["pattern"] = f"^{_PLAIN_CHARACTER}{{{low},{high}}}$"
+    return schema
+
+
+def choice_grammar(options: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `options`."""
+    return "root ::= " + " | ".join(json.dumps(option) for option in options)
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer, with its cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(stop_token_ids))
+        self.vocab_size = vocab_size
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
+
+    def compile(self, constraint: Constraint):
+        """The compiled grammar; GrammarError with xgrammar's reason when it cannot be compiled."""
+        compiler, kind = self.compiler, constraint.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(constraint.value, any_whitespace=constraint.any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(constraint.value)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(constraint.value)))
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(self.xgr.StructuralTag.model_validate_json(constraint.value))
+            return compiler.compile_grammar(constraint.value)
+        except (RuntimeError, ValueError) as exc:  # xgrammar raises these for every malformed input
+            raise GrammarError(_SOURCE_PREFIX.sub("", str(exc).strip()) or type(exc).__name__) from None
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
+        """Mask `logits` [batch, vocab] in place: each (row, matcher) keeps only what its grammar allows."""
+        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        for row, matcher in rows:
+            matcher.fill_next_token_bitmask(bitmask, row)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                             indices=[row for row, _ in rows])
