@@ -223,6 +223,8 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
          task: Annotated[list[str] | None, typer.Option(
              help="With --url: an lm-eval task and its minimum score, NAME:MIN[:LIMIT]; repeatable.")] = None,
          suite: Annotated[str, typer.Option(help="openai, or nim (adds health, metadata, manifest, metrics).")] = "nim",
+         tools: Annotated[bool, typer.Option("--tools", help="With --url: check tool calls too (the server parses "
+                                             "them: NIM_TOOL_CALL_PARSER, or vLLM's --tool-call-parser).")] = False,
          reference_url: Annotated[str | None, typer.Option(
              help="With --url: a server on the same weights (another engine's image); greedy outputs must match "
                   "it token for token.")] = None,
@@ -242,7 +244,7 @@ def test(spec: Annotated[Path | None, typer.Argument(help="A model spec: build, 
         from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 
         report_dir = output or Path("results") / f"test-{time.strftime('%Y%m%d-%H%M%S')}"
-        groups = ("openai", "nim") if suite == "nim" else ("openai",)
+        groups = (("openai", "nim") if suite == "nim" else ("openai",)) + (("tools",) if tools else ())
         tests = Tests(accuracy={"tasks": [task_option(t) for t in task or []]})
         config = HarnessConfig.from_tests(tests, groups=groups,
                                           reference_url=reference_url.rstrip("/") if reference_url else None)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import httpx
+import openai
 import yaml
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from factory.verify.result import Gate
 
@@ -161,6 +164,57 @@ def _completion_logprobs(ctx: Context) -> None:
     lp = ctx.client.completions.create(model=ctx.model, prompt=PROMPT, max_tokens=4, temperature=0,
                                        logprobs=2).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(lp.top_logprobs), "ragged logprobs"
+
+
+class Verdict(BaseModel):
+    """The structured-output checks' schema: every value bounded, so any model can end it."""
+
+    answer: Literal["yes", "no", "unsure"]
+    confidence: Annotated[int, Field(ge=0, le=100)]
+
+
+class Lookup(BaseModel):
+    """The tool-call checks' function. No free-text string: xgrammar (vLLM's default backend too) lets
+    control characters into a length-bounded one, and a correct server must not fail this check."""
+
+    city: Literal["paris", "rome", "oslo"]
+    days: Annotated[int, Field(ge=1, le=7)]
+
+
+STRUCTURED_TOKENS = 200  # a small vocabulary spells JSON a character at a time
+
+
+@check("structured.json_schema")
+def _json_schema(ctx: Context) -> None:
+    """Plain and streamed, the reply parses and validates (the official client's parse and stream helpers)."""
+    messages = [{"role": "user", "content": f"{PROMPT} Paris? Answer in JSON."}]
+    plain = ctx.client.chat.completions.parse(model=ctx.model, messages=messages, response_format=Verdict,
+                                              max_tokens=STRUCTURED_TOKENS, temperature=0)
+    assert plain.choices[0].finish_reason == "stop", f"finish_reason {plain.choices[0].finish_reason!r}"
+    assert isinstance(plain.choices[0].message.parsed, Verdict), "the reply did not parse"
+    with ctx.client.chat.completions.stream(model=ctx.model, messages=messages, response_format=Verdict,
+                                            max_tokens=STRUCTURED_TOKENS, temperature=0) as stream:
+        streamed = stream.get_final_completion().choices[0].message.parsed
+    assert streamed == plain.choices[0].message.parsed, f"streamed {streamed} != plain {plain.choices[0].message.parsed}"
+
+
+@check("tools.call", "tools")
+def _tool_call(ctx: Context) -> None:
+    """A required call and a named one parse with the official client; streamed deltas reassemble to the
+    non-streamed call."""
+    messages = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+    tools = [openai.pydantic_function_tool(Lookup)]
+    for choice in ("required", {"type": "function", "function": {"name": "Lookup"}}):
+        kwargs = dict(model=ctx.model, messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=False,
+                      max_tokens=STRUCTURED_TOKENS, temperature=0)
+        plain = ctx.client.chat.completions.parse(**kwargs).choices[0]
+        assert plain.finish_reason == "tool_calls", f"tool_choice={choice}: finish_reason {plain.finish_reason!r}"
+        calls = [(c.function.name, c.function.parsed_arguments) for c in plain.message.tool_calls or []]
+        assert len(calls) == 1 and isinstance(calls[0][1], Lookup), f"tool_choice={choice}: calls {calls}"
+        with ctx.client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion().choices[0]
+        streamed = [(c.function.name, c.function.parsed_arguments) for c in final.message.tool_calls or []]
+        assert streamed == calls, f"tool_choice={choice}: streamed {streamed} != plain {calls}"
 
 
 @check("errors.malformed_json")

@@ -1,7 +1,7 @@
 """The harness against the real service (everything passes) and against deliberately wrong servers.
 
 The wrong servers are a test double: a proxy in front of the real service that breaks one promise
-(drops `[DONE]`, miscounts usage, or returns the tokens reversed), faults that a correct server
+(drops `[DONE]`, miscounts usage, returns the tokens reversed or ignores `response_format`), faults that a correct server
 cannot be made to show.
 """
 
@@ -21,9 +21,11 @@ from factory.cli import app as cli
 from factory.spec import AccuracyTask
 from factory.spec import Tests as SpecTests
 from factory.verify.accuracy import served_precision
+from factory.verify.conformance import run_conformance
 from factory.verify.harness import HarnessConfig, load_pairs, run_harness
 from factory.verify.lm_eval_tasks import BUNDLED_TASKS
 from factory.verify.load import LoadSettings, run_load, summarize
+from service.launcher import ServerProcess
 from tests.conftest import app_in_thread
 
 QUICK = HarnessConfig(min_exact_match=0.9, concurrency=[1, 4], requests_per_level=8, output_tokens=16,
@@ -50,6 +52,8 @@ def broken_proxy(upstream: str, mode: str) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request):
         body = await request.body()
+        if mode == "ignore_format" and b"response_format" in body:  # a server that drops the constraint
+            body = json.dumps({k: v for k, v in json.loads(body).items() if k != "response_format"}).encode()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         streaming = b'"stream": true' in body or b'"stream":true' in body
         if not streaming:
@@ -117,6 +121,7 @@ def test_real_service_passes_every_gate_and_the_report_is_complete(server, tiny_
     ("no_done", {"chat.stream.framing", "completions.stream.usage"}),
     ("miscount", {"usage.exact_length", "logprobs.chat", "metrics.generation_tokens_total"}),
     ("reverse", {"accuracy.exact_match", "accuracy.task.inferkiln_tiny_lines", "accuracy.parity", "stop.strings"}),
+    ("ignore_format", {"structured.json_schema"}),
 ])
 def test_wrong_servers_fail_the_right_checks(proxy, tiny_model_dir, tmp_path, mode, expected):
     url = proxy(mode)
@@ -165,3 +170,15 @@ def test_failed_requests_are_recorded_with_their_status(server):
     assert summarize(records, wall, {})["error_request_count"]["avg"] == 3
     records, _ = asyncio.run(run_load("http://127.0.0.1:9", LoadSettings(model="tiny-llama", requests=2, warmup=0)))
     assert all(r.code is None and r.error.startswith("ClientConnectorError") for r in records)
+
+
+def test_the_tool_call_gate_needs_a_server_that_parses_calls(server, tiny_model_dir, tmp_path):
+    """The shared server runs without NIM_TOOL_CALL_PARSER: the gate fails on its 400, and passes
+    once the same weights are served with the Hermes parser."""
+    [gate] = run_conformance(server.url, "tiny-llama", ("tools",))
+    assert not gate.passed and "400" in gate.detail, gate
+    with ServerProcess(["--model", str(tiny_model_dir), "--tool-call-parser", "hermes"],
+                       log_path=tmp_path / "service.log") as tools_server:
+        gates = run_conformance(tools_server.url, "tiny-llama", ("openai", "tools"))
+    assert all(gate.passed for gate in gates), [gate for gate in gates if not gate.passed]
+    assert {"tools.call", "structured.json_schema"} <= {gate.id for gate in gates}

@@ -22,10 +22,12 @@ import yaml
 from openai import APIStatusError, OpenAI
 
 from factory.pipeline.runner import RunSettings, Runner
+from factory.spec import AccuracyTask
 from factory.stack import REGISTRY, stack_up
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
 from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter, random_adapter
 from factory.verify.container import POD_LIKE, start_model, start_vllms_own_server
+from factory.verify.lm_eval_tasks import run_tasks
 from service.image_contract import PORT
 from tests.conftest import metric, scrape
 from tests.fuzzing import CANNOT_HOLD, fuzz
@@ -258,25 +260,30 @@ def test_greedy_outputs_equal_the_torch_images_token_for_token(docker_client, se
     assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
 
 
-def test_the_harness_passes_vllms_own_server(docker_client, vllm_image, tiny_model_dir, tmp_path):
+def test_the_harness_passes_vllms_own_server(docker_client, vllm_image, tiny_model_dir, tmp_path, server):
     """`inferkiln test --url` against vLLM's OpenAI server (no contract in it): every check passes,
-    parity with transformers and the bundled lm-eval task included; exact match without a dataset is
-    skipped with its reason."""
+    parity with transformers, the bundled lm-eval tasks, structured outputs and tool calls included;
+    exact match without a dataset is skipped with its reason. The multiple-choice task (loglikelihood:
+    echo + logprobs) scores as on the torch engine, the shared `server`, on the same weights."""
     own = start_vllms_own_server(docker_client, vllm_image, timeout=START_TIMEOUT_S)
     try:
         assert not httpx.get(f"{own.url}/v1/metadata").is_success  # vLLM's server, not the runtime
         result = subprocess.run(
             [sys.executable, "-m", "factory.cli", "test", "--url", own.url, "--model", MODEL, "--suite", "openai",
-             "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9", "--output", str(tmp_path),
-             "--json"], capture_output=True, text=True, timeout=1200)
+             "--tools", "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9",
+             "--task", "inferkiln_tiny_choice:0.9", "--output", str(tmp_path), "--json"],
+            capture_output=True, text=True, timeout=1200)
     finally:
         own.stop()
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["passed"], [g for g in report["gates"] if not g["passed"]]
     gates = {gate["id"] for gate in report["gates"]}
-    assert {"completions.stream.usage", "chat.stream.framing", "accuracy.parity",
-            "accuracy.task.inferkiln_tiny_lines"} <= gates
-    assert report["accuracy"] == {"inferkiln_tiny_lines": 1.0}
+    assert {"completions.stream.usage", "chat.stream.framing", "accuracy.parity", "structured.json_schema",
+            "tools.call", "accuracy.task.inferkiln_tiny_lines", "accuracy.task.inferkiln_tiny_choice"} <= gates
+    [torch_choice] = run_tasks(server.url, MODEL, [AccuracyTask(name="inferkiln_tiny_choice", min=0.9)],
+                               include_paths=[], endpoint="completions", tokenizer=tiny_model_dir)
+    assert report["accuracy"]["inferkiln_tiny_lines"] == 1.0
+    assert abs(report["accuracy"]["inferkiln_tiny_choice"] - torch_choice["score"]) <= 0.01, torch_choice
     assert report["skipped"] == {"accuracy.exact_match": "no dataset of known continuations "
                                                           "(tests.accuracy.dataset, or --dataset)"}
 

@@ -8,6 +8,7 @@ import logging.config
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 
 from service.admission import Admission
 from service.api.passthrough import Passthrough, _asking_for_usage, openai_error
@@ -16,7 +17,7 @@ from service.engine.vllm_server import MIDDLEWARE, gauges_from_vllm, vllm_argume
 from service.logs import request_id_var
 from service.manifest import Profile, ProfileTags
 from service.metrics import ServiceMetrics
-from service.settings import load_settings
+from service.settings import SettingsError, load_settings
 
 
 def arguments(env: dict[str, str] | None = None, **profile_kwargs) -> list[str]:
@@ -49,6 +50,14 @@ def test_profile_tags_become_vllm_flags():
 def test_nim_settings_reach_vllms_server_arguments():
     args = arguments({"NIM_SERVER_PORT": "9000", "NIM_SERVER_HOST": "127.0.0.1", "NIM_SHUTDOWN_GRACE_SECONDS": "2.5"})
     assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--shutdown-timeout")) == ("127.0.0.1", "9000", "3")
+
+
+def test_the_tool_call_parser_turns_on_vllms_auto_tool_choice():
+    assert "--enable-auto-tool-choice" not in arguments() and flag(arguments(), "--tool-call-parser") is None
+    args = arguments({"NIM_TOOL_CALL_PARSER": "hermes"})
+    assert "--enable-auto-tool-choice" in args and flag(args, "--tool-call-parser") == "hermes"
+    with pytest.raises(SettingsError, match="NIM_TOOL_CALL_PARSER='made-up'"):
+        load_settings({}, {"NIM_TOOL_CALL_PARSER": "made-up"})
 
 
 def test_fp8_profiles_quantize_and_structured_args_are_json():
