@@ -189,6 +189,8 @@ class Tests(Strict):
     accuracy: AccuracyTests = Field(default_factory=AccuracyTests)
     perf: PerfTests = Field(default_factory=PerfTests)
     regression: Regression = Field(default_factory=Regression)
+    tool_calls: bool | None = Field(None, description="gate on tool calls (harness group `tools`); default: when "
+                                                      "the model has a tool_call_parser")
 
 
 class ModelSpec(Strict):

@@ -46,7 +46,9 @@ def _test_running(client, loaded: LoadedSpec, image_reference: str, report_dir: 
     pairs = load_pairs((loaded.path.parent / dataset) if dataset else None)
     adapters = [AdapterCheck(a.name, load_pairs(loaded.relative(a.dataset)) if a.dataset else None, a.min_exact_match)
                 for a in loaded.spec.adapters]
-    groups = ("openai", "nim", "tools") if loaded.spec.model.tool_call_parser else ("openai", "nim")
+    tools = loaded.spec.tests.tool_calls
+    tools = bool(loaded.spec.model.tool_call_parser) if tools is None else tools
+    groups = ("openai", "nim", "tools") if tools else ("openai", "nim")
     config = HarnessConfig.from_tests(loaded.spec.tests, base=loaded.path.parent, adapters=adapters, groups=groups)
     progress(f"starting {image_reference}...")
     start = time.perf_counter()

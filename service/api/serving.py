@@ -104,6 +104,7 @@ class OpenAIServing:
         self.admission.check_size(1, req.n)
         functions = self._functions(req)
         calls = functions is not None and req.tool_choice != "none"  # the reply is parsed for tool calls
+        forced = calls and not isinstance(req.tool_choice, str | None)  # a named function: OpenAI ends it with "stop"
         prompt = self._chat_prompt(req, functions)
         grammar = await self._compile(*self._chat_constraint(req, functions if calls else None))
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -114,12 +115,13 @@ class OpenAIServing:
         events = self._run(job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._chat_stream(job, events, include_usage, calls))
+            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced))
         await self._drain(events)
         choices = []
         for i, c in sorted(job.choices.items()):
             message = self._chat_message(c.text, calls)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=self._finish_reason(c.finish_reason, bool(message.tool_calls)),
+            choices.append(ChatChoice(index=i, message=message,
+                                      finish_reason=self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced),
                                       logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
                                       stop_reason=c.stop_reason))
         prompt_logprobs = self._prompt_logprobs(prompt, job.choices[0].prompt_logprobs) if req.prompt_logprobs is not None else None
@@ -211,7 +213,7 @@ class OpenAIServing:
     def _finish_reason(reason: str | None, called: bool) -> str | None:
         return "tool_calls" if reason == "stop" and called else reason
 
-    async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool, forced: bool) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
@@ -232,7 +234,7 @@ class OpenAIServing:
                         called.add(index)
                 logprobs = self._chat_logprobs(delta.logprobs) if job.params.logprobs is not None else None
                 if content or tool_deltas or delta.finish_reason or delta.logprobs and logprobs is not None:
-                    finish = self._finish_reason(delta.finish_reason, index in called)
+                    finish = self._finish_reason(delta.finish_reason, index in called and not forced)
                     body = ChatDelta(content=content if content or not tool_deltas else None,
                                      tool_calls=[self._tool_delta(d) for d in tool_deltas] or None)
                     yield chunk([ChatChunkChoice(index=index, delta=body, logprobs=logprobs,

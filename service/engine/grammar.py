@@ -113,5 +113,5 @@ class GrammarCompiler:
         bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         for row, matcher in rows:
             matcher.fill_next_token_bitmask(bitmask, row)
-        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                             indices=[row for row, _ in rows])
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                             vocab_size=self.vocab_size, indices=[row for row, _ in rows])

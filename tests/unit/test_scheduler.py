@@ -131,6 +131,18 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     assert shape(step(scheduler)) == [("b", 4, 4)], "the last block is recomputed: its logits start the output"
 
 
+def test_a_request_that_scores_its_prompt_computes_all_of_it_and_still_fills_the_cache():
+    scheduler = make()
+    scheduler.add(Request("a", prompt(12)))
+    step(scheduler)
+    scheduler.finish(scheduler.running[0])
+    scheduler.add(Request("scored", prompt(12), reuse_cache=False))  # prompt logprobs: every position's logits
+    assert shape(step(scheduler)) == [("scored", 0, 12)]
+    scheduler.finish(scheduler.running[0])
+    scheduler.add(Request("b", prompt(12)))
+    assert shape(step(scheduler)) == [("b", 8, 4)]
+
+
 def test_without_caching_nothing_is_reused():
     scheduler = make(caching=False)
     for name in ("a", "b"):

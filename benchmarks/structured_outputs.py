@@ -1,0 +1,176 @@
+"""Structured outputs' cost: inter-token latency with a JSON-schema constraint against without, at
+c=1 and c=8, in alternating rounds on one server; and what compiling a new 50-property schema adds
+to the first request that names it (TTFT with a new schema against the same schema again), with the
+grammar compiler's own time beside it. On the torch engine (the runtime in-process, tiny model) and
+on vLLM's CPU build as its documentation starts it (default configuration, from a host Python that
+has it: --vllm-python), the same weights, the same requests. Writes results/structured_outputs.json.
+
+    python -m benchmarks.structured_outputs [--rounds 3] [--requests 32] [--vllm-python VENV/bin/python]
+
+The constrained request is an array of 24 digits (about 48 tokens in the tiny model's vocabulary, a
+character at a time); the free one generates as many tokens with ignore_eos. Inter-token latency is
+(last token - first token) / (tokens - 1) of each streamed request, as AIPerf defines it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import spread, write_result
+from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
+from service.launcher import ServerProcess, free_port, wait_until_ready
+
+MODEL = "tiny-llama"
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 24, "maxItems": 24}
+FREE_TOKENS = 48
+
+
+def wide_schema(tag: str, properties: int = 50) -> dict:
+    """A 50-property object, each property named for `tag` so that every tag is a new grammar."""
+    kinds = [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}, {"enum": ["a", "b", "c"]}]
+    names = [f"{tag}_{i}" for i in range(properties)]
+    return {"type": "object", "properties": {n: kinds[i % 3] for i, n in enumerate(names)}, "required": names,
+            "additionalProperties": False}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed completion: its TTFT, inter-token latency and token count."""
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
+                                                                      "stream_options": {"include_usage": True}}) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    itl = (last - first) / (tokens - 1) if tokens > 1 and first else None
+    return {"ttft_s": (first or time.perf_counter()) - start, "itl_s": itl, "tokens": tokens}
+
+
+def body(constrained: bool, i: int) -> dict:
+    prompt = memorised_pairs()[i % 64][0]
+    if constrained:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": 128, "temperature": 0,
+                "structured_outputs": {"json": DIGITS, "disable_any_whitespace": True}}
+    return {"model": MODEL, "prompt": prompt, "max_tokens": FREE_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+async def level(url: str, constrained: bool, concurrency: int, requests: int) -> dict:
+    counter = iter(range(requests))
+    results: list[dict] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for i in counter:
+            results.append(await stream_one(client, url, body(constrained, i)))
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    itls = [r["itl_s"] for r in results if r["itl_s"]]
+    return {"itl_ms_p50": round(statistics.median(itls) * 1000, 3), "tokens_mean": statistics.fmean(r["tokens"] for r in results)}
+
+
+async def compile_cost(url: str, rounds: int) -> dict:
+    """TTFT of a request with a schema the server has not seen, and of the same schema once more."""
+    cold, warm = [], []
+    async with httpx.AsyncClient(timeout=300) as client:
+        for i in range(rounds * 3):
+            request = {"model": MODEL, "prompt": "Fill the form:", "max_tokens": 4, "temperature": 0,
+                       "structured_outputs": {"json": wide_schema(f"p{os.getpid()}x{i}"), "disable_any_whitespace": True}}
+            cold.append((await stream_one(client, url, request))["ttft_s"])
+            warm.append((await stream_one(client, url, request))["ttft_s"])
+    return {"ttft_new_schema_ms_p50": round(statistics.median(cold) * 1000, 2),
+            "ttft_same_schema_ms_p50": round(statistics.median(warm) * 1000, 2),
+            "compile_ms_as_seen_by_the_client": round((statistics.median(cold) - statistics.median(warm)) * 1000, 2)}
+
+
+def measure(url: str, rounds: int, requests: int) -> dict:
+    asyncio.run(level(url, True, 2, 4))  # warm both paths
+    asyncio.run(level(url, False, 2, 4))
+    out = {}
+    for concurrency in (1, 8):
+        paired = []
+        for _ in range(rounds):
+            free = asyncio.run(level(url, False, concurrency, requests))
+            constrained = asyncio.run(level(url, True, concurrency, requests))
+            paired.append({"free": free, "constrained": constrained,
+                           "itl_ratio": round(constrained["itl_ms_p50"] / free["itl_ms_p50"], 3)})
+            print(concurrency, json.dumps(paired[-1]))
+        out[f"c{concurrency}"] = {"constrained_over_free_itl": spread([p["itl_ratio"] for p in paired]), "rounds": paired}
+    out["compile"] = asyncio.run(compile_cost(url, rounds))
+    return out
+
+
+def compiler_time() -> dict:
+    """xgrammar's own time for a new 50-property schema, in-process, with the torch engine's compiler."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from service.engine.grammar import Constraint, GrammarCompiler
+
+    model = ensure_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(model).vocab_size, [tokenizer.eos_token_id])
+    times = []
+    for i in range(10):
+        start = time.perf_counter()
+        compiler.compile(Constraint.json_schema(wide_schema(f"c{i}")))
+        times.append(time.perf_counter() - start)
+    return {"compile_50_properties_ms_p50": round(statistics.median(times) * 1000, 2)}
+
+
+def on_vllm_host(python: str, rounds: int, requests: int, log_dir: Path) -> dict:
+    """vLLM's own server as its documentation starts it (default configuration), on this host."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_tiny_model()),
+               "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "512",
+               "--max-num-seqs", "32"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with open(log_dir / "vllm-host.log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
+                raise RuntimeError(f"{reason}: {(log_dir / 'vllm-host.log').read_text()[-2000:]}")
+            result = measure(url, rounds, requests)
+        finally:
+            process.terminate()
+            process.wait(60)
+    version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    return {"configuration": "vLLM's own server, default configuration (structured outputs backend auto: "
+                             "xgrammar), on the host", "vllm": version.stdout.strip(), **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--vllm-python", help="a Python with vLLM's CPU build: vLLM in its default configuration")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        with ServerProcess(["--model", str(ensure_tiny_model())], log_path=Path(tmp) / "server.log") as server:
+            torch_result = measure(server.url, args.rounds, args.requests)
+        vllm = on_vllm_host(args.vllm_python, args.rounds, args.requests, Path(tmp)) if args.vllm_python else None
+    result = {"model": MODEL, "vocab_size": Recipe().vocab_size, "schema": DIGITS, "free_tokens": FREE_TOKENS,
+              "requests_per_level": args.requests, "torch": {**torch_result, **compiler_time()}, "vllm_cpu_default": vllm}
+    print(write_result("structured_outputs", result, args.out))
+
+
+if __name__ == "__main__":
+    main()
