@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
@@ -26,7 +26,7 @@ from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoic
                                   StructuredOutputs, Usage)
 from service.api.tool_calls import HermesParser, ToolCallDelta, tool_constraint
 from service.engine.base import ChoiceDelta, Engine, GenerationRequest, SamplingParams, TokenLogprob
-from service.engine.grammar import Constraint, GrammarError
+from service.engine.grammar import MAX_NESTING, Constraint, GrammarError, nesting
 from service.metrics import ServiceMetrics
 
 DONE = "data: [DONE]\n\n"
@@ -104,13 +104,13 @@ class OpenAIServing:
         self.admission.check_size(1, req.n)
         functions = self._functions(req)
         calls = functions is not None and req.tool_choice != "none"  # the reply is parsed for tool calls
-        forced = calls and not isinstance(req.tool_choice, str | None)  # a named function: OpenAI ends it with "stop"
+        forced = calls and not isinstance(req.tool_choice, str | None)  # named: OpenAI ends it with "stop"
         prompt = self._chat_prompt(req, functions)
         grammar = await self._compile(*self._chat_constraint(req, functions if calls else None))
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self._sampling(req, [prompt], max_tokens, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                prompt_logprobs=req.prompt_logprobs)
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        params = self._sampling(req, [prompt], max_tokens, max_param, prompt_logprobs=req.prompt_logprobs,
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         if req.stream:
@@ -120,11 +120,12 @@ class OpenAIServing:
         choices = []
         for i, c in sorted(job.choices.items()):
             message = self._chat_message(c.text, calls)
-            choices.append(ChatChoice(index=i, message=message,
-                                      finish_reason=self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced),
-                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                                      stop_reason=c.stop_reason))
-        prompt_logprobs = self._prompt_logprobs(prompt, job.choices[0].prompt_logprobs) if req.prompt_logprobs is not None else None
+            finish = self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None))
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(prompt, job.choices[0].prompt_logprobs)
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage,
                                       prompt_logprobs=prompt_logprobs)
 
@@ -137,6 +138,8 @@ class OpenAIServing:
             return None
         if choice != "none" and self.tool_call_parser is None:
             raise bad_request("tool calls are not supported by this server: it runs without NIM_TOOL_CALL_PARSER", "tools")
+        if any(nesting(tool.function.parameters) > MAX_NESTING for tool in req.tools):
+            raise bad_request(f"tools: a function's parameters nest deeper than {MAX_NESTING} levels", "tools")
         functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools]
         if not isinstance(choice, str | None) and choice.function.name not in {f["name"] for f in functions}:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not one of the tools", "tool_choice")
@@ -160,21 +163,27 @@ class OpenAIServing:
 
     def _chat_constraint(self, req: ChatCompletionRequest, functions: list[dict] | None) -> tuple[Constraint | None, str]:
         """The one constraint a chat request may carry, and the parameter that named it."""
-        given = []
-        if req.response_format and req.response_format.type == "json_object":
-            given.append((Constraint("json_object"), "response_format"))
-        elif req.response_format and req.response_format.type == "json_schema":
-            schema = req.response_format.json_schema.schema_ or {}
-            given.append((Constraint.json_schema(schema), "response_format"))
+        given: list[tuple[str, Callable[[], Constraint]]] = []
+        if (fmt := req.response_format) and fmt.type == "json_object":
+            given.append(("response_format", lambda: Constraint("json_object")))
+        elif fmt and fmt.type == "json_schema":
+            given.append(("response_format", lambda: Constraint.json_schema(fmt.json_schema.schema_ or {})))
         if req.structured_outputs:
-            given.append((self._structured(req.structured_outputs), "structured_outputs"))
+            given.append(("structured_outputs", lambda: self._structured(req.structured_outputs)))
         if functions:
-            choice = req.tool_choice or "auto"
-            choice = choice if isinstance(choice, str) else choice.model_dump()
-            given.append((tool_constraint(functions, choice, req.parallel_tool_calls is not False), "tool_choice"))
+            choice = req.tool_choice if isinstance(req.tool_choice, str | None) else req.tool_choice.model_dump()
+            parallel = req.parallel_tool_calls is not False
+            given.append(("tools", lambda: tool_constraint(functions, choice or "auto", parallel)))
         if len(given) > 1:
-            raise bad_request(f"{given[0][1]} and {given[1][1]} each constrain the reply; give one", given[1][1])
-        return given[0] if given else (None, "")
+            raise bad_request(f"{given[0][0]} and {given[1][0]} each constrain the reply; give one", given[1][0])
+        return (self._constraint(*given[0]), given[0][0]) if given else (None, "")
+
+    @staticmethod
+    def _constraint(param: str, build: Callable[[], Constraint]) -> Constraint:
+        try:
+            return build()
+        except GrammarError as exc:  # a schema nested too deep, or not JSON
+            raise bad_request(f"{param}: {exc}", param) from None
 
     @staticmethod
     def _structured(fields: StructuredOutputs) -> Constraint:
@@ -266,7 +275,8 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         prompts = self._completion_prompts(req.prompt, req.n)
-        constraint = self._structured(req.structured_outputs) if req.structured_outputs else None
+        fields = req.structured_outputs
+        constraint = self._constraint("structured_outputs", lambda: self._structured(fields)) if fields else None
         grammar = await self._compile(constraint, "structured_outputs")
         scored = req.logprobs if req.echo else None  # echo with logprobs scores the prompt (lm-eval's loglikelihood)
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,

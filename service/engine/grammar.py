@@ -19,6 +19,7 @@ import torch
 
 ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 COMPILE_THREADS = 2
+MAX_NESTING = 64  # levels of objects and arrays in a schema: deeper ones are refused before any recursion
 # xgrammar prefixes its messages with a timestamp and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -55,14 +56,32 @@ class Constraint:
 _PLAIN_CHARACTER = '[^"\\\\\\x00-\\x1f]'
 
 
+def nesting(value) -> int:
+    """How deeply lists and dicts nest in `value`, found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
 def bounded_strings(schema):
     """The schema with each length-bounded string (no pattern, format, enum or const of its own)
-    constrained by an equivalent pattern of JSON-valid characters."""
+    constrained by an equivalent pattern of JSON-valid characters. GrammarError for a schema nested
+    deeper than MAX_NESTING."""
+    if nesting(schema) > MAX_NESTING:
+        raise GrammarError(f"the JSON schema nests deeper than {MAX_NESTING} levels")
+    return _bounded_strings(schema)
+
+
+def _bounded_strings(schema):
     if isinstance(schema, list):
-        return [bounded_strings(item) for item in schema]
+        return [_bounded_strings(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    schema = {key: bounded_strings(value) for key, value in schema.items()}
+    schema = {key: _bounded_strings(value) for key, value in schema.items()}
     if (schema.get("type") == "string" and ("minLength" in schema or "maxLength" in schema)
             and not {"pattern", "format", "enum", "const"} & schema.keys()):
         low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")

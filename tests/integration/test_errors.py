@@ -91,11 +91,24 @@ def test_unsupported_parameters_are_refused(server, route, body, param):
     assert "support" in error["message"]
 
 
+def deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("route,body,param", [
+    (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(900)}}),
+     "response_format"),
+    (COMPLETIONS, completion_body(structured_outputs={"json": deep_schema(900)}), "structured_outputs"),
+    (COMPLETIONS, completion_body(structured_outputs={"grammar": "root ::= " + '("(" ' * 3000 + '"x"' + ' ")")' * 3000}),
+     "structured_outputs"),
     (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), "response_format"),
     (CHAT, chat_body(response_format={"type": "json_schema"}), "response_format"),
     (COMPLETIONS, completion_body(structured_outputs={"regex": "(unclosed"}), "structured_outputs"),
+    (COMPLETIONS, completion_body(structured_outputs={"json": "{not json"}), "structured_outputs"),
     (COMPLETIONS, completion_body(structured_outputs={"grammar": "root ::= "}), "structured_outputs"),
     (COMPLETIONS, completion_body(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
     (CHAT, chat_body(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "structured_outputs"),

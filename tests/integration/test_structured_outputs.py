@@ -171,11 +171,19 @@ def test_tool_choice_none_and_auto_and_a_tool_result_turn(oai):
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_unknown_named_tool_is_400(oai):
+def test_unknown_named_tool_and_hostile_parameters_are_400(oai):
     with pytest.raises(openai.BadRequestError) as error:
         oai.chat.completions.create(model=MODEL, messages=ask(0), tools=TOOLS,
                                     tool_choice={"type": "function", "function": {"name": "Nope"}})
     assert error.value.body["param"] == "tool_choice"
+    deep: dict = {"type": "integer"}
+    for _ in range(900):  # deeper than Python's recursion limit: refused before anything recurses
+        deep = {"type": "array", "items": deep}
+    for choice in ("required", "none"):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.chat.completions.create(model=MODEL, messages=ask(0), tool_choice=choice, tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}])
+        assert error.value.body["param"] == "tools"
 
 
 # -- prompt logprobs -------------------------------------------------------------------------------
