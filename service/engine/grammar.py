@@ -105,6 +105,8 @@ class GrammarCompiler:
                                                        stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)  # the engine's step thread fills the masks
+        self._bitmask: torch.Tensor | None = None  # reused from step to step, grown to the largest batch
 
     def compile(self, constraint: Constraint):
         """The compiled grammar; GrammarError with xgrammar's reason when it cannot be compiled."""
@@ -128,9 +130,18 @@ class GrammarCompiler:
         return self.xgr.GrammarMatcher(compiled)
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
-        """Mask `logits` [batch, vocab] in place: each (row, matcher) keeps only what its grammar allows."""
-        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        for row, matcher in rows:
-            matcher.fill_next_token_bitmask(bitmask, row)
+        """Mask `logits` [batch, vocab] in place: each (row, matcher) keeps only what its grammar allows.
+
+        One call fills every row and one applies them: each call into a native library may hand the
+        GIL to the event loop, and taking it back can wait out the loop's switch interval (measured:
+        8 rows masked one call each took 0.22 ms a step in the server, against 0.05 ms alone)."""
+        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        bitmask, indices = self._bitmask[:logits.shape[0]], [row for row, _ in rows]
+        self._batch.batch_fill_next_token_bitmask([matcher for _, matcher in rows], bitmask, indices)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                             vocab_size=self.vocab_size, indices=[row for row, _ in rows])
+                                             vocab_size=self.vocab_size, indices=indices)
+
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its token, in one call; False where the grammar refuses it."""
+        return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)

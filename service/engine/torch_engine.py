@@ -440,12 +440,19 @@ class TorchEngine(Engine):
             if first and state.prompt_logprobs is not None:
                 delta.prompt_logprobs = state.prompt_logprobs
             deltas[state].append(delta)
-            if state.matchers:  # a grammar at its end ends the choice, as its stop token would (ignore_eos)
-                matcher = state.matchers[seq.index]
-                if not matcher.accept_token(token):
-                    self._fail(state, EngineError(f"token {token} broke the request's grammar"), deltas)
-                elif matcher.is_terminated() and not output.finished:
-                    deltas[state].append(output.finish("stop"))
+        if constrained:
+            self._follow_grammars([seq for seq in seqs if seq in sampled and seq.request.owner.matchers], sampled, deltas)
+
+    def _follow_grammars(self, seqs: list[Sequence], sampled: dict, deltas: dict) -> None:
+        """Advance each constrained choice's matcher by its token. A grammar ends only on a stop token,
+        which ends the choice unless ignore_eos passes it: then the grammar's end does."""
+        matchers = [seq.request.owner.matchers[seq.index] for seq in seqs]
+        for seq, matcher, accepted in zip(seqs, matchers, self._grammars.accept(matchers, [sampled[s] for s in seqs])):
+            state, output = seq.request.owner, seq.request.owner.outputs[seq.index]
+            if not accepted:
+                self._fail(state, EngineError(f"token {sampled[seq]} broke the request's grammar"), deltas)
+            elif not output.finished and sampled[seq] in self.eos_ids and matcher.is_terminated():
+                deltas[state].append(output.finish("stop"))
 
     def _fail(self, state: _RequestState, exc: Exception, deltas: dict) -> None:
         """End one request with an error; the client learns what it can act on, the log the rest."""
