@@ -37,6 +37,10 @@ stamp=.venv/.inferkiln-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "setup: installing inferkiln and its dependencies" >&2
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+    # xgrammar declares Triton for its CUDA kernel only; the CPU image leaves it out (its lock's
+    # no-emit), and so does this environment: transformers imports an installed Triton with every
+    # model, whose bindings then print reference-leak warnings into the runtime's JSON log at exit.
+    .venv/bin/pip uninstall --quiet --yes triton 2>/dev/null || true
     touch "$stamp"
 fi
 # NVIDIA AIPerf, in a virtual environment of its own (its pins would move the factory's): the tests

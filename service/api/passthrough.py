@@ -108,6 +108,8 @@ class PassthroughApp:
         body = await _read_body(receive)
         if body is None:
             return  # the client went away before its request was read
+        if (refused := _refused_before_the_engine(path, body)) is not None:
+            return await send_error(send, refused)
         generates = PASSED[path]
         body, keep_usage = _asking_for_usage(body, generates and path != "/v1/responses")
         rt.admission.enter(bounded=False)  # counted for the drain; the engine bounds its own queue
@@ -139,6 +141,22 @@ def documented_routes() -> list[APIRoute]:
 
 async def _documented(request: Request) -> Response:
     raise ServingError(500, "a route of the OpenAPI document only")  # never routed to: see documented_routes
+
+
+def _refused_before_the_engine(path: str, body: bytes) -> ServingError | None:
+    """A 400 for input the engine would answer with a 500: vLLM 0.32's chat and completions requests
+    call `.get` on `structured_outputs` before validating it, so anything but an object (a list, a
+    string) fails inside vLLM. Only a body that names the field is parsed."""
+    if path not in ("/v1/chat/completions", "/v1/completions") or b'"structured_outputs"' not in body:
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None  # the engine answers malformed JSON
+    value = payload.get("structured_outputs") if isinstance(payload, dict) else None
+    if value is None or isinstance(value, dict):
+        return None
+    return ServingError(400, f"structured_outputs must be an object, not {type(value).__name__}", "structured_outputs")
 
 
 def _asking_for_usage(body: bytes, rewrite: bool) -> tuple[bytes, bool]:

@@ -153,6 +153,7 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     ({"model": MODEL, "prompt": "x", "n": 0}, "n = 0"),
     ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}, "prompt beyond the context"),
     ({"model": MODEL}, "no prompt"),
+    ({"model": MODEL, "prompt": "x", "structured_outputs": [None, None]}, "structured_outputs not an object"),
 ])
 def test_bad_input_gets_an_openai_4xx_never_a_500(served, body, why):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

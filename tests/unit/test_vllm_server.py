@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from service.admission import Admission
-from service.api.passthrough import Passthrough, _asking_for_usage, openai_error
+from service.api.passthrough import Passthrough, _asking_for_usage, _refused_before_the_engine, openai_error
 from service.engine.base import EngineStats
 from service.engine.vllm_server import MIDDLEWARE, gauges_from_vllm, vllm_arguments, write_logging_config
 from service.logs import request_id_var
@@ -345,3 +345,19 @@ def test_a_log_write_that_blocks_does_not_block_the_caller():
         assert seen == [("POST /v1/completions 200", "req-1")]
     finally:
         root.handlers[:], root.level = saved, level
+
+
+@pytest.mark.parametrize("body,refused", [
+    (b'{"prompt": "x", "structured_outputs": [null, null]}', True),
+    (b'{"prompt": "x", "structured_outputs": "json"}', True),
+    (b'{"prompt": "x", "structured_outputs": {"regex": "a"}}', False),  # vLLM validates an object itself
+    (b'{"prompt": "x", "structured_outputs": null}', False),
+    (b'{"prompt": "x"}', False),
+    (b'{not json "structured_outputs"', False),  # vLLM answers malformed JSON
+])
+def test_what_vllm_would_answer_with_a_500_is_a_400_first(body, refused):
+    error = _refused_before_the_engine("/v1/completions", body)
+    assert (error is not None) == refused
+    if refused:
+        assert (error.status, error.param) == (400, "structured_outputs")
+    assert _refused_before_the_engine("/tokenize", body) is None
