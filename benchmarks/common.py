@@ -1,4 +1,4 @@
-"""Helpers the benchmarks share: percentiles, summaries, JSON output."""
+"""Helpers the benchmarks share: percentiles, summaries, JSON output, vLLM's own server on the host."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,3 +71,27 @@ def write_result(name: str, result: dict, out_dir: Path) -> Path:
                **result}
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+@contextmanager
+def vllm_on_host(python: str, model: Path, served_name: str, log: Path, extra: list[str] = ()) -> Iterator[tuple[str, float]]:
+    """vLLM's own OpenAI server as its documentation starts it (default configuration: torch.compile
+    on), from a Python environment with vLLM's CPU build on this host; yields its URL and the seconds
+    it took to be ready, and stops it afterwards."""
+    from service.launcher import free_port, wait_until_ready
+
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", served_name, "--port", str(port), "--host", "127.0.0.1",
+               "--max-model-len", "512", "--max-num-seqs", "32", *extra]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url, began = f"http://127.0.0.1:{port}", time.perf_counter()
+            if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
+                raise RuntimeError(f"{reason}: {log.read_text()[-2000:]}")
+            yield url, time.perf_counter() - began
+        finally:
+            process.terminate()
+            process.wait(60)

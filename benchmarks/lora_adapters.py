@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.common import spread, write_result
+from benchmarks.common import spread, vllm_on_host, write_result
 from factory.tinymodel import ensure_tiny_model, memorised_pairs
 from factory.tinymodel.adapter import random_adapter
 from service.adapters import ModelShape, read_adapter
@@ -134,29 +133,10 @@ def on_vllm_host(python: str, source: Path, adapters: list[str], args) -> dict:
     """vLLM's own server as its documentation starts it, default configuration (torch.compile on),
     from a Python environment with vLLM's CPU build on this host (which has the C++ compiler the
     image lacks), the same adapters as --lora-modules."""
-    import subprocess
-
-    from service.launcher import free_port, wait_until_ready
-
-    port = free_port()
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_tiny_model()),
-               "--served-model-name", "tiny-llama", "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "512", "--max-num-seqs", "32", "--enable-lora", "--max-lora-rank", str(args.rank),
-               "--max-loras", str(ADAPTERS), "--max-cpu-loras", str(ADAPTERS),
-               "--lora-modules", *(f"{name}={source / name}" for name in adapters)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    with open(source.parent / "vllm-host.log", "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            began = time.perf_counter()
-            if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
-                raise RuntimeError(f"{reason}: {(source.parent / 'vllm-host.log').read_text()[-2000:]}")
-            ready_s = time.perf_counter() - began
-            rounds = rounds_on(url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
-        finally:
-            process.terminate()
-            process.wait(60)
+    lora = ["--enable-lora", "--max-lora-rank", str(args.rank), "--max-loras", str(ADAPTERS),
+            "--max-cpu-loras", str(ADAPTERS), "--lora-modules", *(f"{name}={source / name}" for name in adapters)]
+    with vllm_on_host(python, ensure_tiny_model(), "tiny-llama", source.parent / "vllm-host.log", lora) as (url, ready_s):
+        rounds = rounds_on(url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
     return {"configuration": "vLLM's own server, default configuration (torch.compile on), on the host",
             "start_to_ready_s": round(ready_s, 1),
             "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}

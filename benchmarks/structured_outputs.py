@@ -32,10 +32,10 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import spread, write_result
+from benchmarks.common import spread, vllm_on_host, write_result
 from benchmarks.vllm_backend import make_76m_llama
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
-from service.launcher import ServerProcess, free_port, wait_until_ready
+from service.launcher import ServerProcess
 
 MODEL = "tiny-llama"
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 24, "maxItems": 24}
@@ -142,21 +142,8 @@ def compiler_time(model: Path) -> dict:
 
 def on_vllm_host(python: str, model: Path, rounds: int, requests: int, log_dir: Path) -> dict:
     """vLLM's own server as its documentation starts it (default configuration), on this host."""
-    port = free_port()
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "512",
-               "--max-num-seqs", "32"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    with open(log_dir / "vllm-host.log", "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
-                raise RuntimeError(f"{reason}: {(log_dir / 'vllm-host.log').read_text()[-2000:]}")
-            result = measure(url, rounds, requests)
-        finally:
-            process.terminate()
-            process.wait(60)
+    with vllm_on_host(python, model, MODEL, log_dir / "vllm-host.log") as (url, _):
+        result = measure(url, rounds, requests)
     version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     return {"configuration": "vLLM's own server, default configuration (structured outputs backend auto: "
                              "xgrammar), on the host", "vllm": version.stdout.strip(), **result}

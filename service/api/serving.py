@@ -279,9 +279,9 @@ class OpenAIServing:
         constraint = self._constraint("structured_outputs", lambda: self._structured(fields)) if fields else None
         grammar = await self._compile(constraint, "structured_outputs")
         scored = req.logprobs if req.echo else None  # echo with logprobs scores the prompt (lm-eval's loglikelihood)
+        asked = [k for k in (scored, req.prompt_logprobs) if k is not None]
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,
-                                prompt_logprobs=max(scored or 0, req.prompt_logprobs or 0)
-                                if scored is not None or req.prompt_logprobs is not None else None)
+                                prompt_logprobs=max(asked) if asked else None)
         job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)

@@ -59,6 +59,14 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def _json_value(text: str) -> str | None:
+    """The JSON value `text` begins with, as written; None if it does not begin with a whole one."""
+    try:
+        return text[:json.JSONDecoder().raw_decode(text)[1]]
+    except ValueError:
+        return None
+
+
 class HermesParser:
     """Text in, content and tool-call deltas out. Fed a whole reply at once, it gives the
     non-streamed message; fed delta by delta, the stream, whose pieces concatenate to the same."""
@@ -112,11 +120,7 @@ class HermesParser:
         call, body = self.calls[-1], self.buffer[self.args_start:].lstrip()
         end = body.find(END)
         if end >= 0:
-            try:
-                _, size = json.JSONDecoder().raw_decode(body)
-                arguments = body[:size]
-            except ValueError:
-                arguments = body[:end].rstrip().removesuffix("}").rstrip()
+            arguments = _json_value(body) or body[:end].rstrip().removesuffix("}").rstrip()
             self.buffer, self.in_call, self.after_call = body[end + len(END):], False, True
         else:  # hold back what may be the outer object's close and the end tag
             arguments = body[:len(body) - _partial_suffix(body, END)].rstrip().rstrip("}").rstrip()
@@ -129,11 +133,7 @@ class HermesParser:
         if self.in_call and self.args_start is not None:
             call = self.calls[-1]
             body = self.buffer[self.args_start:].strip()
-            try:
-                _, size = json.JSONDecoder().raw_decode(body)
-                body = body[:size]
-            except ValueError:
-                pass
+            body = _json_value(body) or body
             rest = body[len(call.arguments):] if body.startswith(call.arguments) else ""
             call.arguments += rest
             self.buffer, self.in_call = "", False

@@ -57,7 +57,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
-    rank: int = 1  # 1 + how many tokens the model found likelier
+    rank: int | None = None  # 1 + how many tokens the model found likelier (prompt logprobs report it)
 
 
 @dataclass

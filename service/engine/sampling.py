@@ -62,12 +62,14 @@ def token_logprob(raw_logits: torch.Tensor, token_id: int, top_n: int, token_tex
     return scored_tokens(raw_logits.unsqueeze(0), [token_id], top_n, token_text)[0]
 
 
-def scored_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int, token_text) -> list[TokenLogprob]:
-    """Row i's log-probability of token_ids[i] with its rank, and the row's `top_n` likeliest tokens:
-    one log_softmax over all rows (a prompt's logprobs are one row per token)."""
+def scored_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int, token_text,
+                  ranked: bool = False) -> list[TokenLogprob]:
+    """Row i's log-probability of token_ids[i] (with its rank if `ranked`: a pass over the vocabulary
+    that only prompt logprobs report), and the row's `top_n` likeliest tokens: one log_softmax over
+    all rows (a prompt's logprobs are one row per token)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist() if ranked else [None] * len(token_ids)
     tops: list[tuple[TopLogprob, ...]] = [()] * len(token_ids)
     if top_n > 0:
         values, ids = torch.topk(logprobs, top_n, dim=-1)

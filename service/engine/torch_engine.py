@@ -351,12 +351,13 @@ class TorchEngine(Engine):
         would waste its compute); a chunk whose prompt logprobs are asked for runs alone, for the
         logits after each of its tokens. A chunk whose forward failed leaves the plan."""
         prompts = [c for c in plan.chunks if len(c.tokens) > 1]
-        scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None]
+        scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None
+                  and c.start + 1 < len(c.seq.request.prompt)]  # it holds prompt tokens to score
         done: list[tuple[Chunk, torch.Tensor]] = []
         for group in ([c for c in prompts if c not in scored], *([c] for c in scored),
                       [c for c in plan.chunks if len(c.tokens) == 1]):
             if group:
-                done += self._forward(group, deltas, every_position=bool(scored) and group[0] in scored)
+                done += self._forward(group, deltas, every_position=group[0] in scored)
         plan.chunks = [chunk for chunk, _ in done]
         self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
         sampled: dict[Sequence, int] = {}
@@ -372,7 +373,7 @@ class TorchEngine(Engine):
         rows = min(len(chunk.tokens), len(prompt) - 1 - chunk.start)
         if rows > 0:
             scored = scored_tokens(logits[:rows], prompt[chunk.start + 1:chunk.start + 1 + rows],
-                                   state.params.prompt_logprobs, self._token_text)
+                                   state.params.prompt_logprobs, self._token_text, ranked=True)
             state.prompt_logprobs[chunk.start + 1:chunk.start + 1 + rows] = scored
 
     def _forward(self, group: list[Chunk], deltas: dict, every_position: bool = False) -> list[tuple[Chunk, torch.Tensor]]:
