@@ -8,7 +8,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +40,22 @@ def summarize(latencies: list[float], wall: float) -> dict:
                        "p99": percentile(latencies, 99) * 1000},
     }
 
+
+
+def wait_until_quiet(busy_seconds: Callable[[], float], quiet_cores: float = 0.1, window_s: float = 0.25,
+                     timeout_s: float = 10.0) -> float:
+    """Wait until `busy_seconds` (CPU seconds used so far) grows by less than `quiet_cores` of a core
+    over `window_s`; returns the seconds waited. vLLM's CPU build keeps a core busy for 0.1-1 s after
+    its last request (its OpenMP threads spin): what is measured in that time shares the cores with it."""
+    began = time.perf_counter()
+    before, at = busy_seconds(), began
+    while time.perf_counter() - began < timeout_s:
+        time.sleep(window_s)
+        now, now_at = busy_seconds(), time.perf_counter()
+        if (now - before) / (now_at - at) < quiet_cores:
+            break
+        before, at = now, now_at
+    return time.perf_counter() - began
 
 # The CPU features that change what an engine computes fast (bf16, int8 and matrix units).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")

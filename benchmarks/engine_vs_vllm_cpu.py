@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -40,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import spread, vllm_on_host, write_result
+from benchmarks.common import spread, vllm_on_host, wait_until_quiet, write_result
 from benchmarks.vllm_backend import make_76m_llama
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
@@ -82,23 +84,14 @@ def aiperf(url: str, tokenizer: Path, level: int, requests: int, out: Path, prom
             "prompt_tokens": round(data["input_sequence_length"]["avg"])}
 
 
-def settle(quiet_cores: float = 0.1, window_s: float = 0.25, timeout_s: float = 10.0) -> float:
-    """Wait until the whole machine uses less than `quiet_cores` of a core over `window_s` (every
-    server here is this benchmark's); returns the seconds waited. vLLM's CPU build keeps a core
-    busy for 0.1-1 s after its last request (its OpenMP threads spin)."""
-    def busy() -> float:
+def settle() -> float:
+    """Wait until the whole machine is quiet (`wait_until_quiet`): every server here is this
+    benchmark's; returns the seconds waited."""
+    def busy() -> float:  # all but idle and iowait, from the first line of /proc/stat
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
-    began = time.perf_counter()
-    before, at = busy(), began
-    while time.perf_counter() - began < timeout_s:
-        time.sleep(window_s)
-        now, now_at = busy(), time.perf_counter()
-        if (now - before) / (now_at - at) < quiet_cores:
-            break
-        before, at = now, now_at
-    return time.perf_counter() - began
+    return wait_until_quiet(busy)
 
 
 def read_bandwidth(gib: int = 1, tries: int = 7) -> float:
@@ -127,19 +120,12 @@ def decode_step_bytes(model_dir: Path, element_size: int, context: int) -> int:
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(path, "pt") as weights:
             shapes |= {name: weights.get_slice(name).get_shape() for name in weights.keys()}
-    count = sum(_numel(shape) for name, shape in shapes.items() if not name.endswith("embed_tokens.weight"))
+    count = sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("embed_tokens.weight"))
     if "lm_head.weight" not in shapes:  # tied: the head is the embedding table
-        count += _numel(next(shape for name, shape in shapes.items() if name.endswith("embed_tokens.weight")))
+        count += math.prod(next(shape for name, shape in shapes.items() if name.endswith("embed_tokens.weight")))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
     return (count + kv * context) * element_size
-
-
-def _numel(shape) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
 
 
 def bandwidth_limit(result: dict, model_dir: Path, dtype: str, bandwidth: float) -> dict:
@@ -194,14 +180,13 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
     """Every configuration running at once, idle while another is measured: in each round each level
     measures them one after another (within a minute), so a pair shares the machine's state (this
     VM's CPU steal drifts over minutes); each ratio is the median over rounds of the paired ratios."""
-    runs = iter(range(10**6))
+    runs, waits = itertools.count(), []
 
     def measured(name: str, level: int, **load) -> dict:
         waits.append(settle())
         return aiperf(urls[name], model_dir, level, load.pop("requests", 4 * max(level, 2)), work / f"run{next(runs)}",
                       **load)
 
-    waits: list[float] = []
     with contextlib.ExitStack() as stack:
         urls, ready = servers(stack, vllm_python, model_dir, dtype, tiny, work)
         plain = [name for name in urls if name != "torch_no_prefix_cache"]

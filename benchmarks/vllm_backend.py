@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from benchmarks.common import spread, write_result
+from benchmarks.common import spread, wait_until_quiet, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -85,24 +85,14 @@ def start(client, image: str, model_dir: Path | None = None, env: dict[str, str]
     return running, time.perf_counter() - began
 
 
-def settle(models: list[RunningModel], quiet_cores: float = 0.1, window_s: float = 0.25, timeout_s: float = 10.0) -> float:
-    """Wait until the containers together use less than `quiet_cores` of a core over `window_s`;
-    returns the seconds waited. vLLM's CPU build keeps a core busy for 0.1-1 s after its last
-    request (its OpenMP threads spin): a configuration measured in that time shares 2 cores with
-    it (the tiny model's cached-prefix TTFT: 5.2-6.3 ms right after vLLM, 4.0-4.2 ms after 1 s)."""
+def settle(models: list[RunningModel]) -> float:
+    """Wait until the containers together are quiet (`wait_until_quiet`); returns the seconds waited
+    (the tiny model's cached-prefix TTFT: 5.2-6.3 ms right after vLLM, 4.0-4.2 ms after 1 s)."""
     pids = []
     for model in models:  # their host PIDs, as the Docker Engine lists them
         top = model.container.top()
         pids += [int(row[top["Titles"].index("PID")]) for row in top["Processes"]]
-    began = time.perf_counter()
-    before, at = cpu_seconds(pids), began
-    while time.perf_counter() - began < timeout_s:
-        time.sleep(window_s)
-        now, now_at = cpu_seconds(pids), time.perf_counter()
-        if (now - before) / (now_at - at) < quiet_cores:
-            break
-        before, at = now, now_at
-    return time.perf_counter() - began
+    return wait_until_quiet(lambda: cpu_seconds(pids))
 
 
 def cpu_seconds(pids: list[int]) -> float:
