@@ -41,7 +41,6 @@ def summarize(latencies: list[float], wall: float) -> dict:
     }
 
 
-
 def wait_until_quiet(busy_seconds: Callable[[], float], quiet_cores: float = 0.1, window_s: float = 0.25,
                      timeout_s: float = 10.0) -> float:
     """Wait until `busy_seconds` (CPU seconds used so far) grows by less than `quiet_cores` of a core
@@ -56,6 +55,7 @@ def wait_until_quiet(busy_seconds: Callable[[], float], quiet_cores: float = 0.1
             break
         before, at = now, now_at
     return time.perf_counter() - began
+
 
 # The CPU features that change what an engine computes fast (bf16, int8 and matrix units).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
