@@ -19,6 +19,7 @@ back to the loop through each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import os
@@ -169,15 +170,22 @@ class TorchEngine(Engine):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Load the weights on the engine's own thread, which then runs the steps.
+
+        One thread runs every parallel torch op of the process, so OpenMP keeps one team of
+        threads, as many as the cores: with a second team (the model loaded on another thread),
+        libgomp counts more threads than cores and stops spinning between parallel regions, and a
+        decode step of the 76M model took 22.8 ms instead of 17.3 ms on 2 cores."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._load)
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._worker, args=(loaded,), name="torch-engine", daemon=True)
+        self._thread.start()
+        await asyncio.wrap_future(loaded)
         # Everything alive now (torch, transformers, the model's modules) lives as long as the
         # process: keep it out of the cyclic collector, whose full passes over millions of
         # start-up objects otherwise stall decode steps for tens of milliseconds.
         gc.collect()
         gc.freeze()
-        self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
-        self._thread.start()
         self._ready = True
 
     def _load(self) -> None:
@@ -285,9 +293,15 @@ class TorchEngine(Engine):
                            prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits)
 
     # -- the worker thread -----------------------------------------------------------------
-    def _worker(self) -> None:
+    def _worker(self, loaded: concurrent.futures.Future) -> None:
+        try:
+            self._load()
+        except BaseException as exc:
+            loaded.set_exception(exc)
+            return
         if self.device.type == "cpu":
             torch.set_num_threads(self.cpu_threads)  # per thread: the rest of the process keeps its own
+        loaded.set_result(None)
         try:
             while True:
                 with self._cond:

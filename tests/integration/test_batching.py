@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 
 import pytest
 
@@ -46,6 +47,36 @@ def varied_requests(engine, count: int) -> list[GenerationRequest]:
         reqs.append(request(engine, prompt * (1 + i % 3), temperature=0, max_tokens=5 + 7 * i,
                             ignore_eos=i % 2 == 0))
     return reqs
+
+
+async def test_weights_load_on_the_thread_that_runs_the_steps(tiny_model_dir):
+    """One thread runs every parallel torch op, so OpenMP keeps a single team (see TorchEngine.start)."""
+    engine = TorchEngine(tiny_model_dir)
+    loaders, real_load = [], engine._load
+
+    def load() -> None:
+        loaders.append(threading.current_thread())
+        real_load()
+
+    engine._load = load
+    await engine.start()
+    try:
+        assert loaders == [engine._thread]
+        assert await collect(engine, request(engine, PAIRS[0][0], temperature=0, max_tokens=4))
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_failed_load_fails_start(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir)
+
+    def load() -> None:  # a test double for unreadable weights
+        raise OSError("weights unreadable")
+
+    engine._load = load
+    with pytest.raises(OSError, match="weights unreadable"):
+        await engine.start()
+    assert not engine.ready
 
 
 async def test_greedy_outputs_do_not_change_in_a_batch(engine):

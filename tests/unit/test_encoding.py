@@ -1,7 +1,5 @@
 """The prompt encoder against transformers' own call, on the real tiny-model tokenizer."""
 
-import pytest
-
 from service.api.encoding import prompt_encoder
 
 TEXTS = ["", "the", " leading space", "trailing space ", "Hello, world! 123 4567.89", "naïve café — 東京 🙂",
