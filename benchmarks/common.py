@@ -57,6 +57,58 @@ def wait_until_quiet(busy_seconds: Callable[[], float], quiet_cores: float = 0.1
     return time.perf_counter() - began
 
 
+def settle() -> float:
+    """Wait until the whole machine is quiet (`wait_until_quiet`), for benchmarks whose every server
+    is their own; returns the seconds waited."""
+    def busy() -> float:  # all but idle and iowait, from the first line of /proc/stat
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+    return wait_until_quiet(busy)
+
+
+ROOT = Path(__file__).parents[1]
+AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"  # NVIDIA AIPerf, installed by scripts/setup.sh
+
+
+def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out: Path, *, output_tokens: int,
+           prompt_tokens: int = 0, prefix_tokens: int = 0, dataset: Path | None = None,
+           ignore_eos: bool = True, greedy: bool = False) -> dict:
+    """One AIPerf run of completions at concurrency `level`, streamed, counting the server's tokens:
+    synthetic prompts of `prompt_tokens` (after a shared prefix of `prefix_tokens`), or the prompts
+    of `dataset` (AIPerf's single_turn JSONL); sampled at the server's default temperature unless
+    `greedy`. Returns output tok/s, TTFT p50 and inter-token
+    latency p50 (ms), and the mean tokens in and out. A failed request fails the measurement: the
+    statistics of the others would hide it."""
+    command = [str(AIPERF), "profile", "--model", name, "--url", url, "--endpoint-type", "completions", "--streaming",
+               "--concurrency", str(level), "--request-count", str(requests), "--use-server-token-count",
+               "--tokenizer", str(tokenizer), "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none",
+               "--no-server-metrics", "--no-gpu-telemetry"]
+    extra = ["ignore_eos:true"] if ignore_eos else []
+    extra += ["temperature:0"] if greedy else []
+    if dataset is not None:
+        command += ["--input-file", str(dataset), "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy",
+                    "sequential"]
+        extra.append(f"max_tokens:{output_tokens}")
+    else:
+        command += ["--isl", str(prompt_tokens), "--isl-stddev", "0", "--osl", str(output_tokens), "--osl-stddev", "0"]
+    if prefix_tokens:
+        command += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(prefix_tokens)]
+    command += ["--extra-inputs", *extra] if extra else []
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    export = out / "profile_export_aiperf.json"
+    if run.returncode != 0 or not export.is_file():
+        raise RuntimeError(f"AIPerf failed against {url} at c={level}: {(run.stdout + run.stderr)[-2000:]}")
+    data = json.loads(export.read_text())
+    if data.get("error_request_count") or data["request_count"]["avg"] != requests:
+        raise RuntimeError(f"{url} at c={level}: {json.dumps(data.get('error_summary'))[:1000]}")
+    return {"output_tok_s": round(data["output_token_throughput"]["avg"], 1),
+            "ttft_p50_ms": round(data["time_to_first_token"]["p50"], 2),
+            "itl_p50_ms": round(data["inter_token_latency"]["p50"], 3),
+            "prompt_tokens": round(data["input_sequence_length"]["avg"]),
+            "output_tokens": round(data["output_sequence_length"]["avg"], 1)}
+
+
 # The CPU features that change what an engine computes fast (bf16, int8 and matrix units).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 

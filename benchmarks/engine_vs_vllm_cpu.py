@@ -42,56 +42,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import spread, vllm_on_host, wait_until_quiet, write_result
+from benchmarks.common import AIPERF, ROOT, aiperf, settle, spread, vllm_on_host, write_result
 from benchmarks.vllm_backend import make_76m_llama
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
 from service.profiles import CPU_PRECISION_FLAGS, Hardware, cpu_flags
 
-ROOT = Path(__file__).parents[1]
-AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 NAME = "tiny-llama"  # the served name on every server
 LEVELS = (1, 8)
 PREFIX_LEVEL = 4
 PREFIX_TOKENS = 480
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 64
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def aiperf(url: str, tokenizer: Path, level: int, requests: int, out: Path, prompt_tokens: int = PROMPT_TOKENS,
-           output_tokens: int = OUTPUT_TOKENS, prefix_tokens: int = 0) -> dict:
-    """One AIPerf run at `level`: output tok/s, TTFT p50 and inter-token latency p50 (ms). A failed
-    request fails the measurement: the statistics of the others would hide it."""
-    command = [str(AIPERF), "profile", "--model", NAME, "--url", url, "--endpoint-type", "completions", "--streaming",
-               "--concurrency", str(level), "--request-count", str(requests), "--isl", str(prompt_tokens),
-               "--isl-stddev", "0", "--osl", str(output_tokens), "--osl-stddev", "0",
-               "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--tokenizer", str(tokenizer),
-               "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
-               "--no-gpu-telemetry"]
-    if prefix_tokens:
-        command += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(prefix_tokens)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    export = out / "profile_export_aiperf.json"
-    if run.returncode != 0 or not export.is_file():
-        raise RuntimeError(f"AIPerf failed against {url} at c={level}: {(run.stdout + run.stderr)[-2000:]}")
-    data = json.loads(export.read_text())
-    if data.get("error_request_count") or data["request_count"]["avg"] != requests:
-        raise RuntimeError(f"{url} at c={level}: {json.dumps(data.get('error_summary'))[:1000]}")
-    return {"output_tok_s": round(data["output_token_throughput"]["avg"], 1),
-            "ttft_p50_ms": round(data["time_to_first_token"]["p50"], 2),
-            "itl_p50_ms": round(data["inter_token_latency"]["p50"], 3),
-            "prompt_tokens": round(data["input_sequence_length"]["avg"])}
-
-
-def settle() -> float:
-    """Wait until the whole machine is quiet (`wait_until_quiet`): every server here is this
-    benchmark's; returns the seconds waited."""
-    def busy() -> float:  # all but idle and iowait, from the first line of /proc/stat
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-    return wait_until_quiet(busy)
 
 
 def read_bandwidth(gib: int = 1, tries: int = 7) -> float:
@@ -184,8 +147,8 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
 
     def measured(name: str, level: int, **load) -> dict:
         waits.append(settle())
-        return aiperf(urls[name], model_dir, level, load.pop("requests", 4 * max(level, 2)), work / f"run{next(runs)}",
-                      **load)
+        return aiperf(urls[name], NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
+                      work / f"run{next(runs)}", **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
 
     with contextlib.ExitStack() as stack:
         urls, ready = servers(stack, vllm_python, model_dir, dtype, tiny, work)

@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from factory.errors import InputError
+from service.engine.ngram import NgramConfig
 from service.manifest import Engine, Precision
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,51}[a-z0-9])?$")  # usable as image name, chart name and DNS label
@@ -127,6 +128,17 @@ class ProfileSpec(Strict):
     gpu: str = "cpu"
     profile: Literal["latency", "throughput"] = "latency"
     engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _speculation(cls, value: dict[str, Any], info) -> dict[str, Any]:
+        """The torch engine reads `speculative_config` itself (vLLM checks its own at start)."""
+        if info.data.get("engine") == "torch" and "speculative_config" in value:
+            try:
+                NgramConfig.model_validate(value["speculative_config"])
+            except ValidationError as exc:
+                raise ValueError(f"speculative_config: the torch engine speculates with n-grams only: {exc}") from exc
+        return value
 
 
 class Resources(Strict):

@@ -56,10 +56,22 @@ class _EngineStats(Collector):
         for name, doc, value in (  # vLLM's names; counted in tokens
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            *self._spec_decode(stats),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+
+    @staticmethod
+    def _spec_decode(stats: EngineStats) -> list[tuple[str, str, int]]:
+        """vLLM's speculative-decoding counters, where the engine speculates; accepted over draft
+        tokens is the acceptance rate."""
+        counts = stats.spec_decode
+        if counts is None:
+            return []
+        return [("spec_decode_num_drafts", "Speculative drafts run.", counts.drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens run.", counts.draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", counts.accepted_tokens)]
 
 
 class ServiceMetrics:

@@ -14,6 +14,7 @@ from service.admission import Admission
 from service.api.serving import OpenAIServing
 from service.engine.base import Engine, EngineBase, PassthroughEngine
 from service.engine.lora import LoraLimits
+from service.engine.ngram import NgramConfig
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
 from service.model_signature import Verification
@@ -197,4 +198,11 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         cpu_threads=engine_setting(settings, profile, "cpu_threads", None),
         kv_cache_tokens=engine_setting(settings, profile, "kv_cache_tokens", None),
         enable_prefix_caching=settings.enable_kv_cache_reuse, lora=lora_limits(settings),
+        speculation=speculation(profile),
     )
+
+
+def speculation(profile: Profile) -> NgramConfig | None:
+    """The profile's `speculative_config` (vLLM's key and format): n-gram speculation, off without it."""
+    config = profile.engine_args.get("speculative_config")
+    return None if config is None else NgramConfig.model_validate(config)

@@ -74,6 +74,28 @@ class ChoiceDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+def join_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta:
+    """One choice's consecutive deltas of a step as one (the tokens a speculative step kept)."""
+    first, last = deltas[0], deltas[-1]
+    return ChoiceDelta(last.index, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                       [lp for d in deltas for lp in d.logprobs], last.finish_reason, last.stop_reason,
+                       first.prompt_logprobs)
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding since start, in vLLM's terms: drafts run, their tokens, the tokens kept."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, proposed: int, kept: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += kept
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int
@@ -82,6 +104,7 @@ class EngineStats:
     kv_cache_usage: float  # KV-cache blocks in use, 0 to 1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of which found there
+    spec_decode: SpecDecodeCounts | None = None  # None: the engine does not speculate
 
 
 class EngineError(RuntimeError):

@@ -106,7 +106,7 @@ class LlamaGraph(torch.nn.Module):
         alike; `length` = max(start + its length). `rope`: cos/sin of positions 0..length-1 where
         they change with length (else the graph's own tables). `adapter_slots`: each chunk's LoRA slot
         (0: the base model), None when no chunk has an adapter. Returns the logits after each chunk's
-        last token: [batch, vocab]; with `every_position` (one chunk), after each of its tokens: [width, vocab].
+        last token: [batch, vocab]; with `every_position`, after each of their tokens: [sum(chunk_lengths), vocab].
 
         Inputs are lists, not tensors: a tensor made in Python and released inside the graph would
         take the GIL back to drop its Python object."""
@@ -140,8 +140,10 @@ class LlamaGraph(torch.nn.Module):
             masks = [(slots == columns.view(1, 1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
         hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal,
                               masks)
-        if every_position:
-            last = hidden[0, :chunk_lengths[0]]
+        if every_position:  # each chunk's real positions, chunk after chunk
+            last = hidden.reshape(batch * width, -1)
+            if valid is not None:
+                last = last.index_select(0, valid)
         elif width == 1:
             last = hidden[:, 0]
         else:

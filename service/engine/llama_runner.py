@@ -110,7 +110,8 @@ class LlamaRunner:
         Each chunk's tokens are written at positions start.. of its sequence and attend to
         everything before them. Chunks of different lengths are right-padded; padded queries are
         computed but never written or returned. Returns the logits after each chunk's last token:
-        [chunks, vocab]; with `every_position` (one chunk only), the logits after each of its tokens.
+        [chunks, vocab]; with `every_position`, the logits after each token of each chunk, chunk after
+        chunk: [total tokens, vocab].
         """
         self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
         width = max(len(tokens) for tokens, _, _ in chunks)

@@ -17,6 +17,12 @@ sequence that is recomputed. The policy:
   its tokens so far (the prefix cache often still holds them). Outputs do not change.
 - A request's `n` choices share one prefill: the leader computes the prompt; the others then hold
   its full blocks and get a copy of its last, partial one.
+- With n-gram speculation (`service.engine.ngram`), a decode of a request that allows it carries
+  the guessed tokens after its own (`Chunk.draft`) where the cache has blocks for them without
+  preempting anyone. Their KV counts as computed only for the guesses the step kept; blocks of the
+  prefix cache hold only kept tokens, since a block is cached once it is full of computed ones. A
+  sequence whose draft was refused in full drafts again only after 1, 2, 4 .. 16 plain steps
+  (reset when a guess is kept): text that does not repeat pays for few refused drafts.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from typing import Any
 
 from service.engine.base import RequestTooLargeError
 from service.engine.kv_blocks import Block, BlockKey, BlockPool, chain_key
+from service.engine.ngram import NgramConfig, NgramIndex
+
+MAX_DRAFT_BACKOFF = 16  # the most plain steps between a sequence's drafts while they are refused
 
 
 @dataclass(eq=False)
@@ -38,6 +47,9 @@ class Sequence:
     blocks: list[Block] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)  # of the full, computed blocks
     finished: bool = False
+    draft_backoff: int = 0  # steps without a draft after the last draft refused in full (0: none refused)
+    draft_wait: int = 0  # steps left before the next draft
+    ngrams: NgramIndex | None = None  # made at its first draft
 
     @property
     def to_compute(self) -> int:
@@ -56,6 +68,7 @@ class Request:
     owner: Any = None  # the engine's record of the request
     cache_root: int = 0  # seeds its prefix-cache keys: requests of different roots share no KV (LoRA adapters)
     reuse_cache: bool = True  # False: its prompt is computed in full (prompt logprobs need every position's logits)
+    speculate: bool = False  # its decodes may carry n-gram guesses (greedy choices only: the engine decides)
     seqs: list[Sequence] = field(init=False)
     forked: bool = field(init=False)  # the choices past the first have their own blocks
 
@@ -76,6 +89,7 @@ class Chunk:
     tokens: list[int]
     samples: list[Sequence]  # who samples from the logits after the chunk's last token (none mid-prompt)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks, after the forward
+    draft: list[int] = field(default_factory=list)  # guessed tokens after the decode's own (the last of `tokens`)
 
 
 @dataclass
@@ -89,8 +103,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_seqs: int, chunk_tokens: int = 256) -> None:
+    def __init__(self, pool: BlockPool, max_seqs: int, chunk_tokens: int = 256,
+                 speculation: NgramConfig | None = None) -> None:
         self.pool = pool
+        self.speculation = speculation
+        self._draft_tokens = 0  # per sequence in this step, as the batch size has it (NgramConfig.tokens_for)
         self.max_seqs = max_seqs
         self.chunk_tokens = chunk_tokens
         self.waiting: deque[Request] = deque()
@@ -136,6 +153,7 @@ class Scheduler:
     # -- a step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._draft_tokens = self.speculation.tokens_for(self.num_running_seqs) if self.speculation else 0
         budget = self.chunk_tokens
         for request in list(self.running):
             if request in plan.preempted:
@@ -162,8 +180,9 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return budget
-        seq.blocks += self.pool.allocate(self.pool.blocks_for(seq.computed + size) - len(seq.blocks))
-        chunk = Chunk(seq, seq.computed, seq.tokens[seq.computed:seq.computed + size], [seq])
+        draft = self._draft(seq) if size == 1 else []
+        seq.blocks += self.pool.allocate(self.pool.blocks_for(seq.computed + size + len(draft)) - len(seq.blocks))
+        chunk = Chunk(seq, seq.computed, seq.tokens[seq.computed:seq.computed + size] + draft, [seq], draft=draft)
         if completes_prompt:
             chunk.copies = self._fork(request)
             chunk.samples = request.seqs
@@ -171,6 +190,23 @@ class Scheduler:
             chunk.samples = []
         plan.chunks.append(chunk)
         return budget - size if size > 1 else budget
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The n-gram guess for a decode, within the request's length; none where its KV would need
+        blocks the cache does not have free (speculation never preempts)."""
+        if self.speculation is None or not seq.request.speculate or not seq.request.forked:
+            return []  # before the fork, the leader's token is every choice's: it takes no draft
+        if seq.draft_wait:
+            seq.draft_wait -= 1
+            return []
+        count = min(self._draft_tokens, seq.request.max_len - len(seq.tokens) - 1)
+        if count <= 0:
+            return []
+        seq.ngrams = seq.ngrams or NgramIndex(self.speculation)
+        draft = seq.ngrams.propose(seq.tokens, count)
+        if draft and self.pool.blocks_for(seq.computed + 1 + len(draft)) - len(seq.blocks) > self.pool.num_free:
+            return []
+        return draft
 
     def _fork(self, request: Request) -> list[tuple[int, int]]:
         """The other choices hold the leader's full prompt blocks and a copy of its partial one."""
@@ -233,17 +269,22 @@ class Scheduler:
         seq.blocks, seq.keys, seq.computed = [], [], 0
 
     # -- results -----------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[Sequence, int]) -> None:
-        """Apply a step: the chunks' KV is in the cache, and each sampled token joins its sequence."""
+    def update(self, plan: StepPlan, sampled: dict[Sequence, list[int]]) -> None:
+        """Apply a step: the chunks' KV is in the cache, and each sequence's new tokens join it (one,
+        or after a draft the guesses kept and the model's next token)."""
+        for seq, tokens in sampled.items():
+            seq.tokens += tokens
         for chunk in plan.chunks:
             seq = chunk.seq
-            seq.computed = chunk.start + len(chunk.tokens)
+            kept = max(len(sampled.get(seq, ())) - 1, 0) if chunk.draft else 0
+            seq.computed = chunk.start + len(chunk.tokens) - len(chunk.draft) + kept
+            if chunk.draft:
+                seq.draft_backoff = 0 if kept else min(max(2 * seq.draft_backoff, 1), MAX_DRAFT_BACKOFF)
+                seq.draft_wait = seq.draft_backoff
             self._cache_full_blocks(seq)
             for other in chunk.samples:
                 if other is not seq:  # a choice forked off this prompt
                     other.computed, other.keys = seq.computed, list(seq.keys)
-        for seq, token in sampled.items():
-            seq.tokens.append(token)
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         size = self.pool.block_size

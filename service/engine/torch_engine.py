@@ -34,11 +34,12 @@ import torch
 
 from service.adapters import Adapter, AdapterError, ModelShape
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 SamplingError, SamplingParams, TokenLogprob)
+                                 SamplingError, SamplingParams, SpecDecodeCounts, TokenLogprob, join_deltas)
 from service.engine.grammar import Constraint, GrammarCompiler
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
+from service.engine.ngram import NgramConfig
 from service.engine.sampling import make_generator, process_logits, sample_token, scored_tokens, token_logprob
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
@@ -61,6 +62,14 @@ def default_cpu_threads(parameters: int) -> int:
     """
     cores = len(os.sched_getaffinity(0))
     return cores if parameters >= COMPUTE_BOUND_PARAMETERS else max(1, cores - 1)
+
+
+def can_speculate(params: SamplingParams, grammar) -> bool:
+    """N-gram drafts are checked against greedy choices, so only requests decoded greedily from the
+    logits alone speculate: no penalties or biases (they change with every kept token), no
+    logprobs, no grammar."""
+    return (params.greedy and params.logprobs is None and params.prompt_logprobs is None and grammar is None
+            and not (params.logit_bias or params.presence_penalty or params.frequency_penalty))
 
 
 @dataclass(eq=False)
@@ -103,7 +112,8 @@ class TorchEngine(Engine):
     def __init__(self, model_dir: Path, *, device: str = "cpu", precision: str = "fp32",
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  cpu_threads: int | None = None, kv_cache_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, lora: LoraLimits | None = None) -> None:
+                 enable_prefix_caching: bool = True, lora: LoraLimits | None = None,
+                 speculation: NgramConfig | None = None) -> None:
         if precision not in DTYPES:
             raise ValueError(f"the torch engine runs {', '.join(DTYPES)}; not {precision!r}")
         self.model_dir = Path(model_dir)
@@ -119,7 +129,9 @@ class TorchEngine(Engine):
             raise ValueError(f"NIM_KV_CACHE_TOKENS={tokens} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len} tokens")
         self.pool = BlockPool(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, PREFILL_CHUNK_TOKENS)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, PREFILL_CHUNK_TOKENS, speculation)
+        self.speculation = speculation
+        self.spec_counts = SpecDecodeCounts() if speculation else None
         self.lora_limits = lora
         self.lora: LoraPool | None = None  # made at load, when adapters are served
         self._incoming: deque[_RequestState] = deque()
@@ -136,7 +148,8 @@ class TorchEngine(Engine):
     def describe(self) -> str:
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
                 f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
-                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads or 'auto'} CPU thread(s)")
+                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads or 'auto'} CPU thread(s), "
+                f"speculation {self.speculation.model_dump_json() if self.speculation else 'off'}")
 
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
@@ -234,7 +247,8 @@ class TorchEngine(Engine):
         # KV computed with one adapter is never another's: each adapter's prefix cache is its own
         root = hash((request.adapter.name, request.adapter.version)) if request.adapter else 0
         scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new, cache_root=root,
-                            reuse_cache=params.prompt_logprobs is None)
+                            reuse_cache=params.prompt_logprobs is None,
+                            speculate=self.speculation is not None and can_speculate(params, request.grammar))
         self.scheduler.check_fits(scheduled)  # RequestTooLargeError: a 400 before anything is queued
         outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
         state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
@@ -290,7 +304,8 @@ class TorchEngine(Engine):
         scheduler = self.scheduler
         return EngineStats(running=len(scheduler.running), waiting=len(self._incoming) + len(scheduler.waiting),
                            max_num_seqs=self.max_num_seqs, kv_cache_usage=self.pool.num_used / self.pool.num_blocks,
-                           prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits)
+                           prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
+                           spec_decode=self.spec_counts)
 
     # -- the worker thread -----------------------------------------------------------------
     def _worker(self, loaded: concurrent.futures.Future) -> None:
@@ -360,25 +375,47 @@ class TorchEngine(Engine):
             ready[0][0].loop.call_soon_threadsafe(_deliver, ready)
         self._release_finished({})
 
-    def _execute(self, plan: StepPlan, deltas: dict) -> dict[Sequence, int]:
+    def _execute(self, plan: StepPlan, deltas: dict) -> dict[Sequence, list[int]]:
         """Prompt chunks in one forward and decodes in another (padding a decode to a chunk's width
         would waste its compute); a chunk whose prompt logprobs are asked for runs alone, for the
-        logits after each of its tokens. A chunk whose forward failed leaves the plan."""
-        prompts = [c for c in plan.chunks if len(c.tokens) > 1]
+        logits after each of its tokens. Decodes with n-gram drafts run with the other decodes, for
+        the logits after each token. A chunk whose forward failed leaves the plan."""
+        prompts = [c for c in plan.chunks if len(c.tokens) > 1 and not c.draft]
         scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None
                   and c.start + 1 < len(c.seq.request.prompt)]  # it holds prompt tokens to score
+        decodes = [c for c in plan.chunks if c not in prompts]
         done: list[tuple[Chunk, torch.Tensor]] = []
-        for group in ([c for c in prompts if c not in scored], *([c] for c in scored),
-                      [c for c in plan.chunks if len(c.tokens) == 1]):
+        for group, every_position in (([c for c in prompts if c not in scored], False),
+                                      *(([c], True) for c in scored),
+                                      (decodes, any(c.draft for c in decodes))):
             if group:
-                done += self._forward(group, deltas, every_position=group[0] in scored)
+                done += self._forward(group, deltas, every_position)
         plan.chunks = [chunk for chunk, _ in done]
         self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
-        sampled: dict[Sequence, int] = {}
+        sampled: dict[Sequence, list[int]] = {}
         for chunk, logits in done:
-            if chunk.samples:
-                self._sample(chunk.samples, logits.unsqueeze(0).expand(len(chunk.samples), -1), deltas, sampled)
+            if chunk in scored:
+                self._score_prompt(chunk, logits)
+            if chunk.draft:
+                self._verify(chunk, logits, deltas, sampled)
+            elif chunk.samples:
+                self._sample(chunk.samples, logits[-1:].expand(len(chunk.samples), -1), deltas, sampled)
         return sampled
+
+    def _verify(self, chunk: Chunk, logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
+        """Keep the draft's tokens up to the first that greedy decoding would not have chosen, then
+        the model's own token there: what decoding one token a step would have produced. The
+        choice's tokens of the step come to the client as one delta, as vLLM streams them."""
+        seq, draft = chunk.seq, chunk.draft
+        state, output = seq.request.owner, seq.request.owner.outputs[seq.index]
+        if state.error or output.finished:
+            return
+        chosen = logits.argmax(dim=-1).tolist()
+        kept = next((i for i, token in enumerate(draft) if chosen[i] != token), len(draft))
+        self.spec_counts.add(len(draft), kept)
+        steps = [output.append(token, None) for token in chosen[:kept + 1] if not output.finished]
+        sampled[seq] = [token for delta in steps for token in delta.token_ids]
+        deltas[state].append(join_deltas(steps))
 
     def _score_prompt(self, chunk: Chunk, logits: torch.Tensor) -> None:
         """Row i of a chunk's logits predicts the token after its i-th: record each prompt token's logprob."""
@@ -390,19 +427,19 @@ class TorchEngine(Engine):
                                    state.params.prompt_logprobs, self._token_text, ranked=True)
             state.prompt_logprobs[chunk.start + 1:chunk.start + 1 + rows] = scored
 
-    def _forward(self, group: list[Chunk], deltas: dict, every_position: bool = False) -> list[tuple[Chunk, torch.Tensor]]:
+    def _forward(self, group: list[Chunk], deltas: dict, every_position: bool) -> list[tuple[Chunk, torch.Tensor]]:
         """One forward for the group; if it fails, each chunk alone. A chunk that fails while others
         pass failed for its own input and ends its request only; a group in which none passes is
         the engine's failure, until a decode step works again (a prefill that works does not prove
         the device well: a faulted GPU may fail only decodes)."""
-        def run(chunks: list[Chunk]) -> torch.Tensor:
+        def run(chunks: list[Chunk]) -> list[torch.Tensor]:
+            """Each chunk's logits: [1, vocab] after its last token, or with `every_position` a row per token."""
             slots = [c.seq.request.owner.slot for c in chunks] if self.lora else None
             logits = self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots,
                                          every_position)
-            if every_position:  # the one chunk's logits at each position; it samples from the last
-                self._score_prompt(chunks[0], logits)
-                return logits[-1:]
-            return logits
+            if every_position:
+                return list(logits.split([len(c.tokens) for c in chunks]))
+            return list(logits.unsqueeze(1))
 
         try:
             done, failed = list(zip(group, run(group))), []
@@ -449,7 +486,7 @@ class TorchEngine(Engine):
             except SamplingError as exc:  # the request's parameters: a 400 for it, no fault of the engine
                 self._fail(state, exc, deltas)
                 continue
-            sampled[seq] = token
+            sampled[seq] = [token]
             first = not output.token_ids
             delta = output.append(token, logprob)
             if first and state.prompt_logprobs is not None:
@@ -462,11 +499,12 @@ class TorchEngine(Engine):
         """Advance each constrained choice's matcher by its token. A grammar ends only on a stop token,
         which ends the choice unless ignore_eos passes it: then the grammar's end does."""
         matchers = [seq.request.owner.matchers[seq.index] for seq in seqs]
-        for seq, matcher, accepted in zip(seqs, matchers, self._grammars.accept(matchers, [sampled[s] for s in seqs])):
+        tokens = [sampled[seq][-1] for seq in seqs]  # constrained choices never speculate: one token each
+        for seq, matcher, token, accepted in zip(seqs, matchers, tokens, self._grammars.accept(matchers, tokens)):
             state, output = seq.request.owner, seq.request.owner.outputs[seq.index]
             if not accepted:
-                self._fail(state, EngineError(f"token {sampled[seq]} broke the request's grammar"), deltas)
-            elif not output.finished and sampled[seq] in self.eos_ids and matcher.is_terminated():
+                self._fail(state, EngineError(f"token {token} broke the request's grammar"), deltas)
+            elif not output.finished and token in self.eos_ids and matcher.is_terminated():
                 deltas[state].append(output.finish("stop"))
 
     def _fail(self, state: _RequestState, exc: Exception, deltas: dict) -> None:

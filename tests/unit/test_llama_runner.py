@@ -48,6 +48,19 @@ def test_mixed_batch_of_chunks_and_positions(setup):
     assert torch.allclose(logits[1], reference(model, b)[-1], atol=ATOL)
 
 
+def test_every_position_of_a_mixed_batch(setup):
+    """Speculation's verify step: one token for one sequence, several for another, a logit row per token."""
+    tokenizer, model, runner = setup
+    a = tokenizer("Rivers run down to the sea")["input_ids"]
+    b = tokenizer("Snow falls on the quiet hills tonight")["input_ids"]
+    with torch.inference_mode():
+        runner.forward([(a[:-1], [60, 61, 62, 63], 0), (b[:4], [50, 51, 52, 53, 54], 0)])
+        logits = runner.forward([([a[-1]], [60, 61, 62, 63], len(a) - 1), (b[4:], [50, 51, 52, 53, 54], 4)], every_position=True)
+    assert logits.shape[0] == 1 + len(b) - 4
+    assert torch.allclose(logits[0], reference(model, a)[-1], atol=ATOL)
+    assert torch.allclose(logits[1:], reference(model, b)[4:], atol=ATOL)
+
+
 def test_shared_and_copied_blocks_continue_like_the_original(setup):
     """A fork: the second sequence holds the first's full block and a copy of its partial one."""
     tokenizer, model, runner = setup

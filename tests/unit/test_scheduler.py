@@ -21,7 +21,7 @@ def prompt(length: int, first: int = 100) -> list[int]:
 def step(scheduler: Scheduler, token: int = 7) -> StepPlan:
     """One step as the worker runs it: every sequence that samples gets `token`."""
     plan = scheduler.schedule()
-    scheduler.update(plan, {seq: token for chunk in plan.chunks for seq in chunk.samples})
+    scheduler.update(plan, {seq: [token] for chunk in plan.chunks for seq in chunk.samples})
     return plan
 
 
