@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from service.logs import configure_logging
@@ -55,31 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-# OpenMP's threads wait for the next parallel region spinning this many rounds, then sleep. libgomp's
-# default (300000) leaves them spinning through whatever the process does between two forward
-# passes, on cores its HTTP side and a co-located client also need: on 2 cores, a 76M-parameter
-# model streamed to AIPerf at c=1 took 55 ms a token with the default, 32 ms with 1000 (and 18 against
-# 21 ms to a light client alone).
-OPENMP_SPIN_ROUNDS = "1000"
-
-
-@contextmanager
-def openmp_spin_rounds(rounds: str) -> Iterator[None]:
-    """GOMP_SPINCOUNT for the libgomp that torch loads in this block, unless the user set it; the
-    environment is as before afterwards, so child processes (vLLM's engine) get their own default."""
-    if "GOMP_SPINCOUNT" in os.environ:
-        yield
-        return
-    os.environ["GOMP_SPINCOUNT"] = rounds
-    try:
-        yield
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
 def serve(settings: Settings) -> int:
-    with openmp_spin_rounds(OPENMP_SPIN_ROUNDS):
-        importlib.import_module("torch")  # libgomp reads GOMP_SPINCOUNT once, when torch loads it
     import uvicorn
 
     from service.admission import drain_then_stop
