@@ -109,6 +109,24 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
             "output_tokens": round(data["output_sequence_length"]["avg"], 1)}
 
 
+def make_76m_llama(out: Path) -> Path:
+    """A random-weights Llama of ~76M parameters with the tiny model's tokenizer (head_dim 64)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from factory.tinymodel import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=640, hidden_size=768, intermediate_size=2304, num_hidden_layers=10,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    subprocess.run(["chmod", "-R", "a+rX", str(out)], check=True)  # the images' user reads it (a bind mount)
+    return out
+
+
 # The CPU features that change what an engine computes fast (bf16, int8 and matrix units).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 

@@ -42,8 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import AIPERF, ROOT, aiperf, settle, spread, vllm_on_host, write_result
-from benchmarks.vllm_backend import make_76m_llama
+from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, vllm_on_host, write_result
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags

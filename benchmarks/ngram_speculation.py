@@ -34,8 +34,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.common import AIPERF, ROOT, aiperf, settle, spread, write_result
-from benchmarks.vllm_backend import make_76m_llama
+from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, write_result
 from factory.tinymodel import ensure_tiny_model, memorised_pairs
 from service.launcher import ServerProcess
 from service.manifest import default_manifest

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import spread, vllm_on_host, write_result
-from benchmarks.vllm_backend import make_76m_llama
+from benchmarks.common import make_76m_llama, spread, vllm_on_host, write_result
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
 from service.launcher import ServerProcess
 

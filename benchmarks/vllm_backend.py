@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from benchmarks.common import spread, wait_until_quiet, write_result
+from benchmarks.common import make_76m_llama, spread, wait_until_quiet, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -46,23 +46,6 @@ from factory.verify.load import LoadSettings, one_request, run_load, summarize
 ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
 LEVELS = (1, 8, 32)
-
-
-def make_76m_llama(out: Path) -> Path:
-    """A random-weights Llama of ~76M parameters with the tiny model's tokenizer (head_dim 64)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tiny = ensure_tiny_model()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=640, hidden_size=768, intermediate_size=2304, num_hidden_layers=10,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
-    subprocess.run(["chmod", "-R", "a+rX", str(out)], check=True)  # the images' user reads it (a bind mount)
-    return out
 
 
 def spec(sample: str, directory: Path) -> Path:

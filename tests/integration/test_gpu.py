@@ -115,3 +115,15 @@ async def test_cuda_lora_batch_greedy_tokens_equal_the_cpus(tiny_model_dir, tmp_
             await engine.shutdown()
 
     assert await tokens("cuda") == await tokens("cpu")
+
+
+async def test_cuda_speculation_keeps_the_greedy_tokens(tiny_model_dir):
+    """N-gram drafts verified on CUDA: the tokens decoding one a step gives, with drafts kept."""
+    from service.engine.ngram import NgramConfig
+
+    prompts = [(p + c + " ") * 3 + p for p, c in memorised_pairs()[:6]] + [p for p, _ in memorised_pairs()[6:10]]
+    speculation = NgramConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain = TorchEngine(tiny_model_dir, device="cuda", precision="fp32", max_num_seqs=16)
+    speculating = TorchEngine(tiny_model_dir, device="cuda", precision="fp32", max_num_seqs=16, speculation=speculation)
+    assert await _greedy_tokens(speculating, prompts, 40) == await _greedy_tokens(plain, prompts, 40)
+    assert speculating.spec_counts.accepted_tokens > 0
