@@ -57,3 +57,18 @@ def test_secrets_are_masked():
     settings = load_settings({}, {"NIM_API_KEY": "s3cret"})
     assert settings.api_key == "s3cret"
     assert "s3cret" not in repr(settings.public_dict())
+
+
+def test_the_openmp_spin_is_set_for_torch_alone_and_a_users_value_wins(monkeypatch):
+    import os
+
+    from service.cli import openmp_spin_rounds
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with openmp_spin_rounds("1000"):
+        assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    assert "GOMP_SPINCOUNT" not in os.environ, "child processes (vLLM's engine) keep libgomp's default"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    with openmp_spin_rounds("1000"):
+        assert os.environ["GOMP_SPINCOUNT"] == "0"
+    assert os.environ["GOMP_SPINCOUNT"] == "0"
