@@ -132,7 +132,8 @@ def compare(model_dir: Path, rounds: int, work: Path, requests_per_stream: int) 
                         settle()
                         before = counters(urls["speculation"])
                         results[name][level][config].append(aiperf(
-                            urls[config], NAME, model_dir, level, requests_per_stream * max(level, 2), work / f"run{next(runs)}",
+                            urls[config], NAME, model_dir, level, requests_per_stream * max(level, 2),
+                            work / f"run{next(runs)}",
                             output_tokens=OUTPUT_TOKENS, dataset=path, ignore_eos=ignore_eos, greedy=True))
                         if config == "speculation":
                             after = counters(urls["speculation"])

@@ -148,8 +148,8 @@ class TorchEngine(Engine):
     def describe(self) -> str:
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
                 f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
-                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, {self.cpu_threads or 'auto'} CPU thread(s), "
-                f"speculation {self.speculation.model_dump_json() if self.speculation else 'off'}")
+                f"prefix caching {'on' if self.pool.enable_caching else 'off'}, "
+                f"{self.cpu_threads or 'auto'} CPU thread(s), speculation {self.speculation.model_dump_json() if self.speculation else 'off'}")
 
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
@@ -457,7 +457,7 @@ class TorchEngine(Engine):
             self._fail(chunk.seq.request.owner, exc, deltas)
         if failed and not done:
             self._engine_failed(failed[-1][1])
-        elif not failed and len(group[0].tokens) == 1:  # a decode that works: a working engine
+        elif not failed and len(group[0].tokens) - len(group[0].draft) == 1:  # a decode that works: a working engine
             self._failures = 0
         return done
 

@@ -55,7 +55,8 @@ def test_every_position_of_a_mixed_batch(setup):
     b = tokenizer("Snow falls on the quiet hills tonight")["input_ids"]
     with torch.inference_mode():
         runner.forward([(a[:-1], [60, 61, 62, 63], 0), (b[:4], [50, 51, 52, 53, 54], 0)])
-        logits = runner.forward([([a[-1]], [60, 61, 62, 63], len(a) - 1), (b[4:], [50, 51, 52, 53, 54], 4)], every_position=True)
+        logits = runner.forward([([a[-1]], [60, 61, 62, 63], len(a) - 1), (b[4:], [50, 51, 52, 53, 54], 4)],
+                                every_position=True)
     assert logits.shape[0] == 1 + len(b) - 4
     assert torch.allclose(logits[0], reference(model, a)[-1], atol=ATOL)
     assert torch.allclose(logits[1:], reference(model, b)[4:], atol=ATOL)
