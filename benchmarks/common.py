@@ -77,9 +77,8 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
     """One AIPerf run of completions at concurrency `level`, streamed, counting the server's tokens:
     synthetic prompts of `prompt_tokens` (after a shared prefix of `prefix_tokens`), or the prompts
     of `dataset` (AIPerf's single_turn JSONL); sampled at the server's default temperature unless
-    `greedy`. Returns output tok/s, TTFT p50 and inter-token
-    latency p50 (ms), and the mean tokens in and out. A failed request fails the measurement: the
-    statistics of the others would hide it."""
+    `greedy`. Returns output tok/s, TTFT p50 and inter-token latency p50 (ms), and the mean tokens
+    in and out. A failed request fails the measurement: the statistics of the others would hide it."""
     command = [str(AIPERF), "profile", "--model", name, "--url", url, "--endpoint-type", "completions", "--streaming",
                "--concurrency", str(level), "--request-count", str(requests), "--use-server-token-count",
                "--tokenizer", str(tokenizer), "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none",

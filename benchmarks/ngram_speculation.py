@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, write_result
 from factory.tinymodel import ensure_tiny_model, memorised_pairs
+from factory.verify.metrics_check import scrape
 from service.launcher import ServerProcess
 from service.manifest import default_manifest
 
@@ -71,9 +72,7 @@ def manifest(model_dir: Path, path: Path, speculate: bool) -> Path:
 
 def counters(url: str) -> dict[str, float]:
     """The server's spec_decode_* counters (none without speculation)."""
-    text = httpx.get(url + "/v1/metrics", timeout=10).text
-    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("spec_decode_")}
+    return {name: value for name, value in scrape(url).items() if name.startswith("spec_decode_")}
 
 
 def same_outputs(urls: dict[str, str], dataset: Path, ignore_eos: bool) -> bool:

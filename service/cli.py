@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 # libgomp's default (300000) they spin through everything else between two forward passes, on
 # cores that the HTTP side and any co-located client (the factory's test stage, a benchmark's
 # AIPerf) need. The 76M model on 2 cores under AIPerf (benchmarks.ngram_speculation, speculation
-# off): c=1 57-60 against 31-33 ms a token, c=8 94 against 151-166 tok/s with 1000. To one light client it
-# cost 2-8% (19.2-19.6 against 18.9 ms). On an idle 16-core Xeon, in process with no HTTP side,
-# the default decoded 15-25% faster: set GOMP_SPINCOUNT where the cores are the engine's alone.
+# off): c=1 57-60 against 31-33 ms a token, c=8 94 against 151-166 tok/s with 1000. To one light
+# client it cost 2-8% (19.2-19.6 against 18.9 ms). On an idle 16-core Xeon, in process with no HTTP
+# side, the default decoded 15-25% faster: set GOMP_SPINCOUNT where the cores are the engine's alone.
 OPENMP_SPIN_ROUNDS = "1000"
 
 

@@ -89,4 +89,4 @@ class NgramIndex:
         for follow in range(max(self.indexed, 1), len(tokens)):
             for n in range(self.low, min(self.high, follow) + 1):
                 self.follower[tuple(tokens[follow - n:follow])] = follow
-        self.indexed = max(self.indexed, len(tokens))
+        self.indexed = len(tokens)  # a sequence's tokens only grow

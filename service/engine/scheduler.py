@@ -91,6 +91,11 @@ class Chunk:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks, after the forward
     draft: list[int] = field(default_factory=list)  # guessed tokens after the decode's own (the last of `tokens`)
 
+    @property
+    def decode(self) -> bool:
+        """One token of the sequence's own (a decode, or a prompt's last), with or without a draft."""
+        return len(self.tokens) - len(self.draft) == 1
+
 
 @dataclass
 class StepPlan:

@@ -380,10 +380,10 @@ class TorchEngine(Engine):
         would waste its compute); a chunk whose prompt logprobs are asked for runs alone, for the
         logits after each of its tokens. Decodes with n-gram drafts run with the other decodes, for
         the logits after each token. A chunk whose forward failed leaves the plan."""
-        prompts = [c for c in plan.chunks if len(c.tokens) > 1 and not c.draft]
+        prompts = [c for c in plan.chunks if not c.decode]
         scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None
                   and c.start + 1 < len(c.seq.request.prompt)]  # it holds prompt tokens to score
-        decodes = [c for c in plan.chunks if c not in prompts]
+        decodes = [c for c in plan.chunks if c.decode]
         done: list[tuple[Chunk, torch.Tensor]] = []
         for group, every_position in (([c for c in prompts if c not in scored], False),
                                       *(([c], True) for c in scored),
@@ -457,7 +457,7 @@ class TorchEngine(Engine):
             self._fail(chunk.seq.request.owner, exc, deltas)
         if failed and not done:
             self._engine_failed(failed[-1][1])
-        elif not failed and len(group[0].tokens) - len(group[0].draft) == 1:  # a decode that works: a working engine
+        elif not failed and group[0].decode:  # a decode that works: a working engine
             self._failures = 0
         return done
 

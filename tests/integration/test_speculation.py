@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 import yaml
 from openai import OpenAI
@@ -14,6 +13,7 @@ from service.engine.ngram import NgramConfig
 from service.engine.torch_engine import TorchEngine
 from service.launcher import ServerProcess
 from service.manifest import default_manifest
+from tests.conftest import metric, scrape
 from tests.integration.test_batching import collect, request, varied_requests
 
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -81,8 +81,7 @@ def test_the_profile_turns_it_on_and_the_metrics_count_it(tiny_model_dir, tmp_pa
         chunks = list(streamed)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 40
-        metrics = httpx.get(server.url + "/v1/metrics").text
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("spec_decode_")}
-    assert values["spec_decode_num_drafts_total"] > 0
-    assert 0 < values["spec_decode_num_accepted_tokens_total"] <= values["spec_decode_num_draft_tokens_total"]
+        samples = scrape(server.url)
+    drafts, proposed, accepted = (metric(samples, f"spec_decode_num_{name}_total", model_name="tiny-llama")
+                                  for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    assert drafts > 0 and 0 < accepted <= proposed
