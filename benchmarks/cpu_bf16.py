@@ -8,8 +8,11 @@ engine decodes the same greedy requests (the tiny model's prompts, 64 tokens, ig
 - c=8: output tokens/s of 8 requests at once;
 - greedy agreement of bf16 with fp32: the share of requests whose 64 tokens are the same, and the
   mean share of tokens before the first that differs.
-Both engines are loaded at once and measured in alternation for `--rounds` rounds (medians). On a
-CPU without native bf16 the engine refuses bf16 weights packing (it would emulate), so the run
+Each precision's engine runs in a process of its own, as a server would (two engines in one process
+would be two OpenMP teams, which libgomp throttles); both are loaded at once and measured in
+alternation for `--rounds` rounds (medians), each once the machine is quiet. GOMP_SPINCOUNT is
+taken from the environment and recorded (`serve` sets 1000 unless it is set). On a CPU without
+native bf16 the engine refuses bf16 weights packing (it would emulate), so the run
 writes why it was skipped instead.
 
     python -m benchmarks.cpu_bf16 [--models llama-76m,tiny] [--rounds 3] [--threads N]
@@ -20,12 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import multiprocessing
+import os
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
-from benchmarks.common import ROOT, make_76m_llama, write_result
+from benchmarks.common import ROOT, make_76m_llama, settle, write_result
 from benchmarks.engine_vs_vllm_cpu import decode_step_bytes, native, read_bandwidth
 from factory.tinymodel import ensure_tiny_model, memorised_pairs
 from service.engine.base import GenerationRequest, SamplingParams
@@ -69,29 +75,54 @@ def agreement(fp32: list[list[int]], bf16: list[list[int]]) -> dict:
             "mean_agreeing_prefix": round(statistics.fmean(prefix(a, b) / len(a) for a, b in zip(fp32, bf16)), 3)}
 
 
-async def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None) -> dict:
-    prompts = [prompt for prompt, _ in memorised_pairs()[:PROMPTS]]
-    engines = {name: TorchEngine(model_dir, precision=name, max_num_seqs=8, max_model_len=512, cpu_threads=threads)
-               for name in ("fp32", "bf16")}
-    for engine in engines.values():
+def engine_process(model_dir: Path, precision: str, threads: int | None, prompts: list[str], conn: Connection) -> None:
+    """One engine in a process of its own, as a server runs it, measuring on each request of the
+    pipe. Two engines in one process are two OpenMP teams: libgomp then counts more threads than
+    cores and all but stops spinning between parallel regions, which slows both."""
+    async def serve() -> None:
+        engine = TorchEngine(model_dir, precision=precision, max_num_seqs=8, max_model_len=512, cpu_threads=threads)
         await engine.start()
+        conn.send(engine.cpu_threads)
+        try:
+            while conn.recv():
+                conn.send(await measure(engine, prompts))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(serve())
+
+
+def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None) -> dict:
+    prompts = [prompt for prompt, _ in memorised_pairs()[:PROMPTS]]
+    spawn = multiprocessing.get_context("spawn")
+    pipes, processes = {}, []
+    for name in ("fp32", "bf16"):
+        pipes[name], child = spawn.Pipe()
+        processes.append(spawn.Process(target=engine_process, args=(model_dir, name, threads, prompts, child),
+                                       daemon=True))
+        processes[-1].start()
     try:
-        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        used_threads = {name: pipe.recv() for name, pipe in pipes.items()}
+        runs: dict[str, list[dict]] = {name: [] for name in pipes}
         for turn in range(rounds + 1):  # the first round warms up, unmeasured
             for name in (("fp32", "bf16") if turn % 2 else ("bf16", "fp32")):
-                result = await measure(engines[name], prompts)
+                settle()  # the other engine's threads have stopped spinning
+                pipes[name].send(True)
+                result = pipes[name].recv()
                 if turn:
                     runs[name].append(result)
     finally:
-        for engine in engines.values():
-            await engine.shutdown()
+        for pipe in pipes.values():
+            pipe.send(False)
+        for process in processes:
+            process.join(60)
     out = {}
     for name, results in runs.items():
         rate = statistics.median(r["c1_decode_tok_s"] for r in results)
         limit = bandwidth / decode_step_bytes(model_dir, 2 if name == "bf16" else 4, 8 + OUTPUT_TOKENS // 2)
         out[name] = {"c1_decode_tok_s": round(rate, 1), "c1_fraction_of_bandwidth_limit": round(rate / limit, 3),
                      "c8_output_tok_s": round(statistics.median(r["c8_output_tok_s"] for r in results), 1),
-                     "threads": engines[name].cpu_threads}
+                     "threads": used_threads[name]}
     out["bf16_over_fp32"] = {key: round(out["bf16"][key] / out["fp32"][key], 3)
                              for key in ("c1_decode_tok_s", "c8_output_tok_s")}
     out["greedy_agreement"] = agreement(runs["fp32"][0]["outputs"], runs["bf16"][0]["outputs"])
@@ -110,11 +141,12 @@ def main() -> None:
         print(f"wrote {write_result('cpu_bf16', {'skipped': reason}, args.out)}")
         return
     bandwidth = read_bandwidth()
-    result: dict = {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "rounds": args.rounds, "models": {}}
+    result: dict = {"read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "rounds": args.rounds,
+                    "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "libgomp's default"), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             model_dir = make_76m_llama(Path(tmp) / name) if name == "llama-76m" else ensure_tiny_model()
-            result["models"][name] = asyncio.run(compare(model_dir, args.rounds, bandwidth, args.threads))
+            result["models"][name] = compare(model_dir, args.rounds, bandwidth, args.threads)
             print(name, result["models"][name], flush=True)
     print(f"wrote {write_result('cpu_bf16', result, args.out)}")
 
