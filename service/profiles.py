@@ -65,6 +65,19 @@ def gpu_kind(name: str) -> str:
     return "-".join(w for w in re.findall(r"[a-z0-9]+", lowered) if w not in ("nvidia", "tesla", "geforce"))
 
 
+# From this many cores on, the torch engine's forward pass leaves one to the HTTP side whatever the
+# model, and libgomp's threads may spin between steps (service.cli). On a 16-core Xeon, the 76M
+# model served with a light client on the same machine: 15 threads and libgomp's default spin
+# decoded c=1 in 3.9-4.6 ms a token in bf16 (7.0-8.4 fp32) against 6.6-7.9 (8.6-9.1) with every
+# core and GOMP_SPINCOUNT=1000, and c=8 568-677 tok/s against 518-533 (560-567 against 499-565).
+SPARE_CORE_FROM = 8
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
 @cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux's /proc/cpuinfo); none where it cannot be read."""

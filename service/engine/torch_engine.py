@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
-import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -43,13 +42,14 @@ from service.engine.ngram import NgramConfig
 from service.engine.sampling import make_generator, process_logits, sample_token, scored_tokens, token_logprob
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
+from service.profiles import SPARE_CORE_FROM, cpu_cores
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_CHUNK_TOKENS = 256
 BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
-COMPUTE_BOUND_PARAMETERS = 10_000_000  # from here on, the forward pass takes every CPU core
+COMPUTE_BOUND_PARAMETERS = 10_000_000  # from here on, the forward pass takes every core of a small machine
 MAX_CONSECUTIVE_FAILURES = 3  # forward passes failing in a row: the engine is broken, not a request
 
 
@@ -58,10 +58,12 @@ def default_cpu_threads(parameters: int) -> int:
 
     A small model's step is mostly per-step overhead: with every core in torch's pool, its threads
     and the HTTP side preempt each other (the 0.4M-parameter tiny model lost 13-39% of its tok/s).
-    A larger model's step is its matmuls, and every core pays (the 76M model gained 34-74%).
+    A larger model's step is its matmuls, and on few cores every core pays (the 76M model gained
+    34-74%); from SPARE_CORE_FROM cores on, one more core adds little to the matmuls and the HTTP
+    side keeps a core of its own.
     """
-    cores = len(os.sched_getaffinity(0))
-    return cores if parameters >= COMPUTE_BOUND_PARAMETERS else max(1, cores - 1)
+    cores = cpu_cores()
+    return cores if parameters >= COMPUTE_BOUND_PARAMETERS and cores < SPARE_CORE_FROM else max(1, cores - 1)
 
 
 def can_speculate(params: SamplingParams, grammar) -> bool:

@@ -122,12 +122,17 @@ def test_only_weights_large_enough_to_gain_are_packed():
     assert torch.allclose(llama_graph.linear(x, packed.weight, None, True), x @ large.T, atol=1e-4)
 
 
-def test_the_forward_pass_takes_every_core_only_for_compute_bound_models(monkeypatch):
+def test_the_forward_pass_takes_every_core_only_for_compute_bound_models_on_small_machines(monkeypatch):
+    from service import profiles
     from service.engine import torch_engine
 
-    monkeypatch.setattr(torch_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.setattr(profiles.os, "sched_getaffinity", lambda _: set(range(4)))
     assert torch_engine.default_cpu_threads(400_000) == 3, "the tiny model leaves a core to HTTP"
     assert torch_engine.default_cpu_threads(76_000_000) == 4
+    monkeypatch.setattr(profiles.os, "sched_getaffinity", lambda _: set(range(profiles.SPARE_CORE_FROM)))
+    assert torch_engine.default_cpu_threads(76_000_000) == profiles.SPARE_CORE_FROM - 1, "many cores: one for HTTP"
+    monkeypatch.setattr(profiles.os, "sched_getaffinity", lambda _: {0})
+    assert torch_engine.default_cpu_threads(400_000) == 1
 
 
 def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, setup):
