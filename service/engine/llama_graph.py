@@ -59,7 +59,7 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions (transformers' apply_rotary_pos_emb) on [batch, count, heads, head_dim]."""
+    """Rotary positions (transformers' apply_rotary_pos_emb) on [tokens, heads, head_dim]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -98,62 +98,63 @@ class LlamaGraph(torch.nn.Module):
         self.block_size, self.num_layers = block_size, len(layers)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
 
-    def forward(self, token_ids: List[List[int]], chunk_lengths: List[int], chunk_starts: List[int],
-                block_tables: List[List[int]], length: int,
+    def forward(self, token_ids: List[int], positions: List[int], groups: List[Tuple[int, int]],
+                chunk_starts: List[int], block_tables: List[List[int]], outputs: List[int],
                 rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                adapter_slots: Optional[List[int]] = None, every_position: bool = False) -> torch.Tensor:
-        """Chunks as right-padded `token_ids` [batch, width] at `chunk_starts`, with block tables padded
-        alike; `length` = max(start + its length). `rope`: cos/sin of positions 0..length-1 where
-        they change with length (else the graph's own tables). `adapter_slots`: each chunk's LoRA slot
-        (0: the base model), None when no chunk has an adapter. Returns the logits after each chunk's
-        last token: [batch, vocab]; with `every_position`, after each of their tokens: [sum(chunk_lengths), vocab].
+                adapter_slots: Optional[List[int]] = None) -> torch.Tensor:
+        """Chunks' `token_ids` chunk after chunk, each token at its `positions` in its sequence;
+        chunks of one width are adjacent, and `groups` gives each run of them as (chunks, width).
+        `chunk_starts` and right-padded `block_tables` are per chunk. Returns the logits after the
+        tokens at `outputs`, indices into `token_ids`: [len(outputs), vocab]. `rope`: cos/sin of
+        positions 0..max(start + width)-1 where they change with length (else the graph's own
+        tables). `adapter_slots`: each token's LoRA slot (0: the base model), None when no chunk
+        has an adapter.
+
+        The projections and MLPs run on the tokens alone, so prompt chunks and decodes share one pass
+        at the cost of their tokens (vLLM's flattened batch): a step that starts a prompt while
+        others decode reads the weights once. Attention runs per group, a batch of equal widths
+        that nothing pads: CPU attention's time follows batch x width, and one decode batch padded
+        to a 32-token prompt's width took 5x as long as the two apart.
 
         Inputs are lists, not tensors: a tensor made in Python and released inside the graph would
         take the GIL back to drop its Python object."""
         device = self.embed.device
         ids = torch.tensor(token_ids, device=device)
-        lengths = torch.tensor(chunk_lengths, device=device)
-        starts = torch.tensor(chunk_starts, device=device)
+        where = torch.tensor(positions, device=device)
         tables = torch.tensor(block_tables, device=device)
-        batch, width = ids.shape[0], ids.shape[1]
-        from_start = chunk_starts[0] == 0
-        positions = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [batch, width]
-        span = torch.arange(length, device=device)
-        # Cache rows of each sequence's positions 0..length-1 (rows past its own end are masked).
-        rows = tables.index_select(1, span // self.block_size) * self.block_size + span % self.block_size
-        written = rows.gather(1, positions.clamp(max=length - 1)).flatten()  # where the new tokens go
-        valid: Optional[torch.Tensor] = None  # decodes: every query is a real token
-        if width > 1:  # the real (unpadded) queries, as indices: index_select/index_copy_ are fast on CPU
-            valid = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).flatten().nonzero().squeeze(1)
-            written = written.index_select(0, valid)
-        mask: Optional[torch.Tensor] = None  # one query sees every key
-        causal = False
-        if batch == 1 and width > 1 and from_start:
-            causal = True  # a prompt from its start: the fused causal kernel
-        elif batch > 1 or width > 1:  # query i of a chunk (at position start+i) sees the keys at positions 0..start+i
-            mask = (span.view(1, 1, length) <= positions.unsqueeze(2)).unsqueeze(1)
+        attention: List[Tuple[int, int, int, torch.Tensor, Optional[torch.Tensor], bool]] = []
+        written: List[torch.Tensor] = []
+        first_chunk, first_token = 0, 0
+        for count, width in groups:
+            end = max(chunk_starts[first_chunk:first_chunk + count]) + width
+            span = torch.arange(end, device=device)
+            # cache rows of each sequence's positions 0..end-1 (rows past its own end are masked)
+            rows = (tables[first_chunk:first_chunk + count].index_select(1, span // self.block_size) * self.block_size
+                    + span % self.block_size)
+            queries = where[first_token:first_token + count * width].view(count, width)
+            written.append(rows.gather(1, queries).flatten())
+            mask: Optional[torch.Tensor] = None  # one query sees every key
+            causal = count == 1 and width > 1 and chunk_starts[first_chunk] == 0  # a prompt from its start
+            if not causal and (count > 1 or width > 1):  # query i (position start+i) sees positions 0..start+i
+                mask = (span.view(1, 1, end) <= queries.unsqueeze(2)).unsqueeze(1)
+            attention.append((first_token, count, width, rows.flatten(), mask, causal))
+            first_chunk, first_token = first_chunk + count, first_token + count * width
         cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
-        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # every head
-        masks: List[torch.Tensor] = []  # per projection kind: which columns of A each row keeps
+        cos, sin = cos_table[where].unsqueeze(1), sin_table[where].unsqueeze(1)  # every head
+        masks: List[torch.Tensor] = []  # per projection kind: which columns of A each token keeps
         if adapter_slots is not None:
-            slots = torch.tensor(adapter_slots, device=device).view(-1, 1, 1)
-            masks = [(slots == columns.view(1, 1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
-        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, rows.flatten(), valid, written, mask, causal,
-                              masks)
-        if every_position:  # each chunk's real positions, chunk after chunk
-            last = hidden.reshape(batch * width, -1)
-            if valid is not None:
-                last = last.index_select(0, valid)
-        elif width == 1:
-            last = hidden[:, 0]
-        else:
-            last = hidden[torch.arange(batch, device=device), lengths - 1]
-        return F.linear(rms_norm(last, self.final_norm, self.eps), self.lm_weight, self.lm_bias).float()
+            slots = torch.tensor(adapter_slots, device=device).view(-1, 1)
+            masks = [(slots == columns.view(1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
+        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks)
+        if len(outputs) < len(token_ids) or outputs != list(range(len(token_ids))):
+            hidden = hidden.index_select(0, torch.tensor(outputs, device=device))
+        return F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_weight, self.lm_bias).float()
 
-    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                valid: Optional[torch.Tensor], written: torch.Tensor, mask: Optional[torch.Tensor],
-                causal: bool, masks: List[torch.Tensor]) -> torch.Tensor:
-        batch, count = hidden.shape[0], hidden.shape[1]
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, written: torch.Tensor,
+                attention: List[Tuple[int, int, int, torch.Tensor, Optional[torch.Tensor], bool]],
+                masks: List[torch.Tensor]) -> torch.Tensor:
+        """The decoder layers on `hidden` [tokens, hidden]; `attention` as built by forward."""
+        tokens = hidden.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index in range(self.num_layers):
@@ -161,29 +162,27 @@ class LlamaGraph(torch.nn.Module):
             x = rms_norm(hidden, self.norms[2 * index], self.eps)
             qkv = self._project(x, w, masks)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = rotate(qk.view(batch, count, -1, head_dim), cos, sin)  # q's and k's heads at once
-            q = qk[:, :, :heads].transpose(1, 2)
-            k = qk[:, :, heads:].reshape(batch * count, kv_heads, head_dim)
-            v = v.reshape(batch * count, kv_heads, head_dim)
-            if valid is not None:  # padded queries are never written
-                k, v = k.index_select(0, valid), v.index_select(0, valid)
+            qk = rotate(qk.view(tokens, -1, head_dim), cos, sin)  # q's and k's heads at once
             keys, values = self.keys[index], self.values[index]
-            keys.index_copy_(0, written, k)
-            values.index_copy_(0, written, v)
-            # [batch, kv_heads, length, head_dim], gathered through the block tables
-            out = F.scaled_dot_product_attention(
-                q, keys.index_select(0, rows).view(batch, -1, kv_heads, head_dim).transpose(1, 2),
-                values.index_select(0, rows).view(batch, -1, kv_heads, head_dim).transpose(1, 2),
-                attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
-            out = out.transpose(1, 2).reshape(batch, count, -1)
-            hidden = hidden + self._project(out, w + 1, masks)
+            keys.index_copy_(0, written, qk[:, heads:])
+            values.index_copy_(0, written, v.view(tokens, kv_heads, head_dim))
+            outs: List[torch.Tensor] = []
+            for first, count, width, rows, mask, causal in attention:
+                # [count, kv_heads, end, head_dim], gathered through the block tables
+                out = F.scaled_dot_product_attention(
+                    qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2),
+                    keys.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2),
+                    values.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2),
+                    attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
+                outs.append(out.transpose(1, 2).reshape(count * width, q_size))
+            hidden = hidden + self._project(outs[0] if len(outs) == 1 else torch.cat(outs), w + 1, masks)
             x = rms_norm(hidden, self.norms[2 * index + 1], self.eps)
             gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
             hidden = hidden + self._project(activation(gate, self.act) * up, w + 3, masks)
         return hidden
 
     def _project(self, x: torch.Tensor, w: int, masks: List[torch.Tensor]) -> torch.Tensor:
-        """Fused projection w on x [batch, count, in], plus each row's LoRA: ((x @ A) * mask) @ B."""
+        """Fused projection w on x [tokens, in], plus each token's LoRA: ((x @ A) * mask) @ B."""
         y = linear(x, self.weights[w], self.biases[w], self.packed[w])
         if len(masks) == 0:
             return y

@@ -14,6 +14,8 @@ out: the process's resident memory grows with the most tokens ever held, not wit
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
@@ -103,29 +105,39 @@ class LlamaRunner:
         return 2 * self.keys[:, :self.block_size].numel() * self.keys.element_size()
 
     def forward(self, chunks: list[tuple[list[int], list[int], int]], adapter_slots: list[int] | None = None,
-                every_position: bool = False) -> torch.Tensor:
-        """Run `(tokens, block_table, start)` chunks together: prompt chunks, or one token each;
-        `adapter_slots` gives each chunk's LoRA slot in the pool (None or all 0: the base model).
+                every_position: bool | list[bool] = False) -> torch.Tensor:
+        """Run `(tokens, block_table, start)` chunks together in one pass: prompt chunks and decodes
+        alike; `adapter_slots` gives each chunk's LoRA slot in the pool (None or all 0: the base
+        model).
 
         Each chunk's tokens are written at positions start.. of its sequence and attend to
-        everything before them. Chunks of different lengths are right-padded; padded queries are
-        computed but never written or returned. Returns the logits after each chunk's last token:
-        [chunks, vocab]; with `every_position`, the logits after each token of each chunk, chunk after
-        chunk: [total tokens, vocab].
+        everything before them. Returns logits chunk after chunk: after each token of a chunk whose
+        `every_position` is true (one flag for all, or one per chunk), else after its last token
+        alone; with no flag set, [chunks, vocab].
         """
         self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
-        width = max(len(tokens) for tokens, _, _ in chunks)
+        flags = every_position if isinstance(every_position, list) else [every_position] * len(chunks)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]))  # equal widths side by side
+        ids, positions, first = [], [], {}
+        for i in order:
+            tokens, _, start = chunks[i]
+            first[i] = len(ids)
+            ids += tokens
+            positions += range(start, start + len(tokens))
+        groups = [(len(list(run)), width) for width, run in itertools.groupby(len(chunks[i][0]) for i in order)]
         blocks = max(len(table) for _, table, _ in chunks)
-        ids = [tokens + [0] * (width - len(tokens)) for tokens, _, _ in chunks]
-        tables = [table + [0] * (blocks - len(table)) for _, table, _ in chunks]
-        lengths = [len(tokens) for tokens, _, _ in chunks]
-        starts = [start for _, _, start in chunks]
-        length = max(start + count for start, count in zip(starts, lengths))
+        tables = [chunks[i][1] + [0] * (blocks - len(chunks[i][1])) for i in order]
+        starts = [chunks[i][2] for i in order]
+        outputs = [row for i, (tokens, _, _) in enumerate(chunks)
+                   for row in (range(first[i], first[i] + len(tokens)) if flags[i] else (first[i] + len(tokens) - 1,))]
+        length = max(start + len(tokens) for tokens, _, start in chunks)
         rope = None if self.rope_table else self._rope_for(length)
+        if adapter_slots is not None and any(adapter_slots):
+            adapter_slots = [adapter_slots[i] for i in order for _ in chunks[i][0]]  # each token's
+        else:
+            adapter_slots = None  # the base model alone skips the LoRA matmuls
         with torch.jit.optimized_execution(False):
-            if adapter_slots is not None and not any(adapter_slots):
-                adapter_slots = None  # the base model alone skips the LoRA matmuls
-            return self.graph(ids, lengths, starts, tables, length, rope, adapter_slots, every_position)
+            return self.graph(ids, positions, groups, starts, tables, outputs, rope, adapter_slots)
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..length-1, from the model's rotary module."""

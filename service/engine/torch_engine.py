@@ -378,20 +378,13 @@ class TorchEngine(Engine):
         self._release_finished({})
 
     def _execute(self, plan: StepPlan, deltas: dict) -> dict[Sequence, list[int]]:
-        """Prompt chunks in one forward and decodes in another (padding a decode to a chunk's width
-        would waste its compute); a chunk whose prompt logprobs are asked for runs alone, for the
-        logits after each of its tokens. Decodes with n-gram drafts run with the other decodes, for
-        the logits after each token. A chunk whose forward failed leaves the plan."""
-        prompts = [c for c in plan.chunks if not c.decode]
-        scored = [c for c in prompts if c.seq.request.owner.prompt_logprobs is not None
+        """Every chunk of the plan in one forward pass, prompt chunks and decodes together: the
+        weights are read once a step. A chunk whose prompt logprobs are asked for, and a decode
+        with an n-gram draft, get the logits after each of their tokens, the others after their
+        last. A chunk whose forward failed leaves the plan."""
+        scored = [c for c in plan.chunks if not c.decode and c.seq.request.owner.prompt_logprobs is not None
                   and c.start + 1 < len(c.seq.request.prompt)]  # it holds prompt tokens to score
-        decodes = [c for c in plan.chunks if c.decode]
-        done: list[tuple[Chunk, torch.Tensor]] = []
-        for group, every_position in (([c for c in prompts if c not in scored], False),
-                                      *(([c], True) for c in scored),
-                                      (decodes, any(c.draft for c in decodes))):
-            if group:
-                done += self._forward(group, deltas, every_position)
+        done = self._forward(plan.chunks, deltas, [c in scored or bool(c.draft) for c in plan.chunks])
         plan.chunks = [chunk for chunk, _ in done]
         self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
         sampled: dict[Sequence, list[int]] = {}
@@ -429,37 +422,35 @@ class TorchEngine(Engine):
                                    state.params.prompt_logprobs, self._token_text, ranked=True)
             state.prompt_logprobs[chunk.start + 1:chunk.start + 1 + rows] = scored
 
-    def _forward(self, group: list[Chunk], deltas: dict, every_position: bool) -> list[tuple[Chunk, torch.Tensor]]:
+    def _forward(self, group: list[Chunk], deltas: dict, every_position: list[bool]) -> list[tuple[Chunk, torch.Tensor]]:
         """One forward for the group; if it fails, each chunk alone. A chunk that fails while others
-        pass failed for its own input and ends its request only; a group in which none passes is
-        the engine's failure, until a decode step works again (a prefill that works does not prove
-        the device well: a faulted GPU may fail only decodes)."""
-        def run(chunks: list[Chunk]) -> list[torch.Tensor]:
-            """Each chunk's logits: [1, vocab] after its last token, or with `every_position` a row per token."""
+        pass failed for its own input and ends its request only; a group in which none passes, or
+        whose decodes all fail, is the engine's failure, until a decode step works again (a prefill
+        that works does not prove the device well: a faulted GPU may fail only decodes)."""
+        def run(chunks: list[Chunk], flags: list[bool]) -> list[torch.Tensor]:
+            """Each chunk's logits: [1, vocab] after its last token, or where flagged a row per token."""
             slots = [c.seq.request.owner.slot for c in chunks] if self.lora else None
-            logits = self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots,
-                                         every_position)
-            if every_position:
-                return list(logits.split([len(c.tokens) for c in chunks]))
-            return list(logits.unsqueeze(1))
+            logits = self.runner.forward([(c.tokens, c.seq.block_table(), c.start) for c in chunks], slots, flags)
+            return list(logits.split([len(c.tokens) if every else 1 for c, every in zip(chunks, flags)]))
 
         try:
-            done, failed = list(zip(group, run(group))), []
+            done, failed = list(zip(group, run(group, every_position))), []
         except Exception as exc:
             done, failed = [], []
             if len(group) == 1:
                 failed.append((group[0], exc))
             else:  # which of them fails alone?
-                for chunk in group:
+                for chunk, every in zip(group, every_position):
                     try:
-                        done.append((chunk, run([chunk])[0]))
+                        done.append((chunk, run([chunk], [every])[0]))
                     except Exception as alone:
                         failed.append((chunk, alone))
         for chunk, exc in failed:
             self._fail(chunk.seq.request.owner, exc, deltas)
-        if failed and not done:
-            self._engine_failed(failed[-1][1])
-        elif not failed and group[0].decode:  # a decode that works: a working engine
+        failed_decodes = [exc for chunk, exc in failed if chunk.decode]
+        if (failed and not done) or (failed_decodes and not any(chunk.decode for chunk, _ in done)):
+            self._engine_failed((failed_decodes or [exc for _, exc in failed])[-1])
+        elif not failed_decodes and any(chunk.decode for chunk in group):  # a decode that works: a working engine
             self._failures = 0
         return done
 

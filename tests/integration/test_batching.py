@@ -209,6 +209,34 @@ async def test_a_broken_engine_turns_unready(engine, monkeypatch):
         engine.generate(request(engine, "F"))
 
 
+async def test_decodes_that_fail_beside_a_prompt_that_passes_are_the_engines_failure(engine, monkeypatch):
+    # Fault injection (a test double): once broken, every decode fails and prompts pass, as on a GPU
+    # that has faulted. A prompt that joins a decode's step must not hide the failed decode.
+    real_forward, broken = engine.runner.forward, threading.Event()
+
+    def forward(chunks, *rest):
+        if broken.is_set() and any(len(tokens) == 1 for tokens, _, _ in chunks):
+            raise RuntimeError("device lost")
+        return real_forward(chunks, *rest)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+
+    async def decoding_then_joined() -> None:
+        async for _ in engine.generate(request(engine, "A", max_tokens=50, ignore_eos=True)):
+            if not broken.is_set():  # A decodes; B's prompt joins its next step
+                broken.set()
+                joined.append(asyncio.ensure_future(collect(engine, request(engine, "B" * 40, max_tokens=5))))
+
+    joined: list[asyncio.Future] = []
+    with pytest.raises(EngineError):
+        await decoding_then_joined()
+    with pytest.raises(EngineError):
+        await joined[0]
+    with pytest.raises(EngineError):
+        await collect(engine, request(engine, "C", max_tokens=5))
+    assert not engine.ready, "three steps of failed decodes in a row"
+
+
 async def test_a_prefix_cache_hit_gives_the_same_greedy_output_and_is_counted(tiny_model_dir):
     cached = TorchEngine(tiny_model_dir, max_num_seqs=8)
     uncached = TorchEngine(tiny_model_dir, max_num_seqs=8, enable_prefix_caching=False)

@@ -62,6 +62,24 @@ def test_every_position_of_a_mixed_batch(setup):
     assert torch.allclose(logits[1:], reference(model, b)[4:], atol=ATOL)
 
 
+def test_prompts_decodes_and_verified_drafts_share_one_pass(setup):
+    """One pass of a step: a decode, a prompt from its start (its last row) and a draft being
+    verified (a row per token), each flagged alone."""
+    tokenizer, model, runner = setup
+    a = tokenizer("Rivers run down to the sea")["input_ids"]
+    b = tokenizer("Snow falls on the quiet hills tonight")["input_ids"]
+    c = tokenizer("Bread is baked from flour and water")["input_ids"]
+    with torch.inference_mode():
+        runner.forward([(a[:-1], [40, 41, 42, 43], 0), (b[:4], [44, 45, 46, 47, 48], 0)])
+        logits = runner.forward([([a[-1]], [40, 41, 42, 43], len(a) - 1), (c, [49, 30, 31], 0),
+                                 (b[4:], [44, 45, 46, 47, 48], 4)],
+                                every_position=[False, False, True])
+    assert logits.shape[0] == 2 + len(b) - 4
+    assert torch.allclose(logits[0], reference(model, a)[-1], atol=ATOL)
+    assert torch.allclose(logits[1], reference(model, c)[-1], atol=ATOL)
+    assert torch.allclose(logits[2:], reference(model, b)[4:], atol=ATOL)
+
+
 def test_shared_and_copied_blocks_continue_like_the_original(setup):
     """A fork: the second sequence holds the first's full block and a copy of its partial one."""
     tokenizer, model, runner = setup
