@@ -20,7 +20,7 @@ import yaml
 from openai import OpenAI
 
 from factory.chart.helm import helm
-from factory.image.build import BuildError, build_context, serve_directory
+from factory.image.build import BuildError, build_context, ensure_base_image, serve_directory
 from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import RunSettings, Runner
@@ -213,6 +213,7 @@ def test_no_credentials_in_history_labels_or_env(client, tiny_model_dir, tmp_pat
 
 
 def test_a_failing_build_names_the_step_and_exit_code(client, tmp_path):
+    ensure_base_image(client, progress)  # the test's own base, whatever ran before it
     (tmp_path / "Dockerfile").write_text(f"FROM {DEBIAN_BASE_IMAGE}\nRUN echo preparing\nRUN exit 3\n")
     with pytest.raises(BuildError) as err:
         build_context(client, tmp_path, "inferkiln/should-fail:1", progress)
