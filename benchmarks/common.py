@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from service.profiles import cpu_cores
+
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100) of the samples."""
@@ -144,7 +146,7 @@ def cpu() -> dict:
 def machine() -> dict:
     """The machine a result was measured on: cores this process may use, not torch's thread setting
     (a benchmark may have changed that), and the CPU's model and flags."""
-    return {"cpu_count": len(os.sched_getaffinity(0)), "cpu": cpu(), "platform": platform.platform(),
+    return {"cpu_count": cpu_cores(), "cpu": cpu(), "platform": platform.platform(),
             "torch": torch.__version__, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

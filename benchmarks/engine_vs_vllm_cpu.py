@@ -35,7 +35,6 @@ import contextlib
 import itertools
 import json
 import math
-import os
 import statistics
 import subprocess
 import tempfile
@@ -46,7 +45,7 @@ from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spre
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
-from service.profiles import CPU_PRECISION_FLAGS, Hardware, cpu_flags
+from service.profiles import CPU_PRECISION_FLAGS, Hardware, cpu_cores, cpu_flags
 
 NAME = "tiny-llama"  # the served name on every server
 LEVELS = (1, 8)
@@ -61,7 +60,7 @@ def read_bandwidth(gib: int = 1, tries: int = 7) -> float:
     tensor far larger than the caches): what a decode step that reads every weight can approach."""
     import torch
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(cpu_cores())
     data = torch.ones(gib * 2**28)  # fp32
     best = float("inf")
     for _ in range(tries):
@@ -125,8 +124,8 @@ def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtyp
     if dtype == "bfloat16":
         args += ["--manifest", str(bf16_manifest(model_dir, work / "manifest.json"))]
     torch_configs = {"torch": {}, "torch_no_prefix_cache": {"NIM_ENABLE_KV_CACHE_REUSE": "0"}}
-    if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all
-        torch_configs["torch_all_cores"] = {"NIM_CPU_THREADS": str(len(os.sched_getaffinity(0)))}
+    if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all below SPARE_CORE_FROM
+        torch_configs["torch_all_cores"] = {"NIM_CPU_THREADS": str(cpu_cores())}
     urls, ready = {}, {}
     for name, env in torch_configs.items():
         began = time.perf_counter()
