@@ -58,6 +58,29 @@ async def test_cuda_greedy_tokens_equal_the_cpus(tiny_model_dir):
     assert on_cuda == on_cpu
 
 
+def test_the_runtime_picks_the_gpu_profile_of_a_plain_model_directory(tiny_model_dir, tmp_path):
+    """A directory with no manifest on a GPU node: NVML finds the GPU, the default manifest's torch
+    profile for any GPU wins over its CPU one, and the server streams the model's lines from CUDA."""
+    import httpx
+    from openai import OpenAI
+
+    from service.launcher import ServerProcess
+    from service.manifest import default_manifest
+
+    gpu_profile = next(p for p in default_manifest(tiny_model_dir).profiles if p.tags.gpu != "cpu")
+    with ServerProcess(["--model", str(tiny_model_dir)], log_path=tmp_path / "serve.log", timeout=300) as server:
+        assert httpx.get(f"{server.url}/v1/metadata").json()["selectedModelProfileId"] == gpu_profile.id
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        pairs = memorised_pairs()[:4]
+        outputs = []
+        for prompt, _ in pairs:
+            stream = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=48,
+                                               temperature=0, stream=True)
+            outputs.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+        correct = sum(out.strip() == expected.strip() for out, (_, expected) in zip(outputs, pairs))
+        assert correct >= 3, (outputs, server.log_tail())
+
+
 def _vllm_cuda_reason() -> str | None:
     from service.profiles import vllm_build
 
