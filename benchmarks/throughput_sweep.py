@@ -134,18 +134,19 @@ def median_run(runs: list[dict]) -> dict:
     return {**ordered[len(ordered) // 2], "rounds_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
 
 
-async def sweep(model_dir: Path, prompt: list[int], out_len: int, device: str, precision: str, rounds: int) -> dict:
+async def sweep(model_dir: Path, prompt: list[int], out_len: int, device: str, precision: str, rounds: int,
+                levels: tuple[int, ...] = LEVELS) -> dict:
     """Every level runs all three systems back to back, for several rounds, so that drifts in the
     machine's speed hit all three alike; each result is the median round."""
-    engine = TorchEngine(model_dir, device=device, precision=precision, max_num_seqs=max(LEVELS))
+    engine = TorchEngine(model_dir, device=device, precision=precision, max_num_seqs=max(levels))
     await engine.start()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[precision]).to(device).eval()
     await engine_level(engine, prompt, out_len, 4)  # warm-up
     generate_batch(model, prompt, 4, out_len)
-    runs: dict[str, dict[int, list[dict]]] = {name: {level: [] for level in LEVELS}
+    runs: dict[str, dict[int, list[dict]]] = {name: {level: [] for level in levels}
                                               for name in ("engine", "sequential", "static")}
     for _ in range(rounds):
-        for level in LEVELS:
+        for level in levels:
             runs["engine"][level].append(await engine_level(engine, prompt, out_len, level))
             with torch.inference_mode():
                 runs["sequential"][level].append(generate_level(model, prompt, out_len, level, batch=1))
@@ -161,21 +162,25 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--rounds", type=int, default=3, help="repeat the sweep; report the median round")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)),
+                        help="concurrency levels, comma-separated (sequential generate() at 64 takes minutes)")
     parser.add_argument("--model", type=Path, help="a Hugging Face model directory; default: the tiny model")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     model_dir = args.model or ensure_tiny_model()
+    levels_run = tuple(int(level) for level in args.levels.split(","))
     from transformers import AutoTokenizer
 
     text_ids = AutoTokenizer.from_pretrained(model_dir)(" ".join(corpus_lines()[:8]))["input_ids"]
     prompt = (text_ids * (args.prompt_tokens // len(text_ids) + 1))[: args.prompt_tokens]
 
-    systems = asyncio.run(sweep(model_dir, prompt, args.output_tokens, args.device, args.precision, args.rounds))
+    systems = asyncio.run(sweep(model_dir, prompt, args.output_tokens, args.device, args.precision, args.rounds,
+                                  levels_run))
     engine = systems["engine"]
     baselines = systems
     levels = {}
     print(f"{'conc':>4} {'system':>10} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8}")
-    for level in LEVELS:
+    for level in levels_run:
         row = {name: results[level] for name, results in systems.items()}
         row["engine_over_sequential_tokens_per_s"] = (engine[level]["output_tokens_per_s"]
                                                       / baselines["sequential"][level]["output_tokens_per_s"])
@@ -192,7 +197,7 @@ def main() -> None:
               f"engine/static {row['engine_over_static_tokens_per_s']:.2f}x, "
               f"ITL p50 ratio {row['engine_itl_p50_over_sequential']:.2f}")
     settings = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "device": args.device,
-                "precision": args.precision, "model": str(model_dir.name), "levels": list(LEVELS),
+                "precision": args.precision, "model": str(model_dir.name), "levels": list(levels_run),
                 "rounds": args.rounds}
     print(write_result("throughput_sweep", {"settings": settings, "levels": levels}, args.out))
 
