@@ -398,13 +398,17 @@ class TorchEngine(Engine):
         plan.chunks = [chunk for chunk, _ in done]
         self.runner.copy_blocks([pair for chunk in plan.chunks for pair in chunk.copies])
         sampled: dict[Sequence, list[int]] = {}
+        rows, seqs = [], []
         for chunk, logits in done:
             if chunk in scored:
                 self._score_prompt(chunk, logits)
             if chunk.draft:
                 self._verify(chunk, logits, deltas, sampled)
             elif chunk.samples:
-                self._sample(chunk.samples, logits[-1:].expand(len(chunk.samples), -1), deltas, sampled)
+                rows.append(logits[-1:].expand(len(chunk.samples), -1))
+                seqs += chunk.samples
+        if seqs:  # every sampling row of the step at once: one argmax, one read of the tokens (a GPU sync)
+            self._sample(seqs, torch.cat(rows), deltas, sampled)
         return sampled
 
     def _verify(self, chunk: Chunk, logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
@@ -466,7 +470,7 @@ class TorchEngine(Engine):
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, deltas: dict, sampled: dict) -> None:
         """Each sequence samples with its own parameters and generator; greedy rows share one argmax.
-        Rows under a grammar first lose the tokens it forbids (on a copy: rows may share storage)."""
+        Rows under a grammar first lose the tokens it forbids (on a copy: the logits stay as computed)."""
         constrained = [(row, seq.request.owner.matchers[seq.index]) for row, seq in enumerate(seqs)
                        if seq.request.owner.matchers and not seq.request.owner.outputs[seq.index].finished]
         if constrained:
