@@ -1,6 +1,6 @@
-"""The benchmark that needs no server, run as a user runs it (the others start Docker images, vLLM's
-CPU build or AIPerf, and are run by hand): a change to the contract's layers or to logging that
-breaks it fails here, not at the next measurement."""
+"""The benchmarks that need no image, no vLLM and no AIPerf, run as a user runs them (the others are
+run by hand): a change to the contract's layers, the engine or logging that breaks one fails here,
+not at the next measurement."""
 
 import json
 import subprocess
@@ -19,3 +19,16 @@ def test_the_passthrough_overhead_benchmark_writes_its_result(tmp_path):
     for part in ("per_event_us", "per_request_us"):  # the contract does more than the app alone
         assert result[part]["through_the_contract"] > result[part]["engine_app_alone"] > 0, result
     assert result["machine"]["cpu_count"] >= 1 and (result["events"], result["requests"]) == (200, 50)
+
+
+def test_the_http_overhead_benchmark_writes_its_result(tmp_path):
+    """The tiny model direct and through a served process, small counts (about 15 s)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.http_overhead", "--requests", "8", "--max-tokens", "4",
+                          "--levels", "1,2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "http_overhead.json").read_text())
+    assert set(result["levels"]) == {"concurrency_1", "concurrency_2"}, result
+    for level in result["levels"].values():
+        assert level["engine_direct"]["requests_per_s"] > 0 and level["http"]["requests_per_s"] > 0, level
+    assert result["settings"]["server_profile"] and result["settings"]["direct_device"] == "cpu", result["settings"]
