@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -32,6 +33,17 @@ def spread(values: list[float]) -> dict:
     """Median and quartiles: how paired ratios from rounds on a drifting machine are reported."""
     q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
     return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
+
+
+def concurrency_levels(text: str) -> tuple[int, ...]:
+    """`--levels 1,16,64` (an argparse type: a bad value is a usage error, not a traceback)."""
+    try:
+        levels = tuple(int(level) for level in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be at least 1, got {text!r}")
+    return levels
 
 
 def summarize(latencies: list[float], wall: float) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import summarize, write_result
+from benchmarks.common import concurrency_levels, summarize, write_result
 from factory.tinymodel import ensure_tiny_model
 from service.engine.base import GenerationRequest, SamplingParams
 from service.engine.torch_engine import DTYPES, TorchEngine
@@ -84,17 +84,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)), help="concurrency levels, comma-separated")
+    parser.add_argument("--levels", type=concurrency_levels, default=",".join(map(str, CONCURRENCY)),
+                        help="concurrency levels, comma-separated")
     parser.add_argument("--device", default="cpu", help="the direct engine's device")
     parser.add_argument("--precision", default="fp32", choices=sorted(DTYPES), help="the direct engine's precision")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     model_dir = ensure_tiny_model()
-    run_levels = tuple(int(c) for c in args.levels.split(","))
-    engine = asyncio.run(direct(model_dir, args.max_tokens, args.requests, run_levels, args.device, args.precision))
-    http, profile = asyncio.run(over_http(model_dir, args.max_tokens, args.requests, run_levels))
+    engine = asyncio.run(direct(model_dir, args.max_tokens, args.requests, args.levels, args.device, args.precision))
+    http, profile = asyncio.run(over_http(model_dir, args.max_tokens, args.requests, args.levels))
     levels = {}
-    for c in run_levels:
+    for c in args.levels:
         d, h = engine[c], http[c]
         levels[f"concurrency_{c}"] = {
             "engine_direct": d, "http": h,

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.common import percentile, write_result
+from benchmarks.common import concurrency_levels, percentile, write_result
 from factory.tinymodel import corpus_lines, ensure_tiny_model
 from service.engine.base import GenerationRequest, SamplingParams
 from service.engine.torch_engine import DTYPES, TorchEngine
@@ -135,7 +135,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 async def sweep(model_dir: Path, prompt: list[int], out_len: int, device: str, precision: str, rounds: int,
-                levels: tuple[int, ...] = LEVELS) -> dict:
+                levels: tuple[int, ...]) -> dict:
     """Every level runs all three systems back to back, for several rounds, so that drifts in the
     machine's speed hit all three alike; each result is the median round."""
     engine = TorchEngine(model_dir, device=device, precision=precision, max_num_seqs=max(levels))
@@ -162,25 +162,24 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--rounds", type=int, default=3, help="repeat the sweep; report the median round")
-    parser.add_argument("--levels", default=",".join(map(str, LEVELS)),
+    parser.add_argument("--levels", type=concurrency_levels, default=",".join(map(str, LEVELS)),
                         help="concurrency levels, comma-separated (sequential generate() at 64 takes minutes)")
     parser.add_argument("--model", type=Path, help="a Hugging Face model directory; default: the tiny model")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     model_dir = args.model or ensure_tiny_model()
-    levels_run = tuple(int(level) for level in args.levels.split(","))
     from transformers import AutoTokenizer
 
     text_ids = AutoTokenizer.from_pretrained(model_dir)(" ".join(corpus_lines()[:8]))["input_ids"]
     prompt = (text_ids * (args.prompt_tokens // len(text_ids) + 1))[: args.prompt_tokens]
 
     systems = asyncio.run(sweep(model_dir, prompt, args.output_tokens, args.device, args.precision, args.rounds,
-                                  levels_run))
+                                args.levels))
     engine = systems["engine"]
     baselines = systems
     levels = {}
     print(f"{'conc':>4} {'system':>10} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8}")
-    for level in levels_run:
+    for level in args.levels:
         row = {name: results[level] for name, results in systems.items()}
         row["engine_over_sequential_tokens_per_s"] = (engine[level]["output_tokens_per_s"]
                                                       / baselines["sequential"][level]["output_tokens_per_s"])
@@ -197,7 +196,7 @@ def main() -> None:
               f"engine/static {row['engine_over_static_tokens_per_s']:.2f}x, "
               f"ITL p50 ratio {row['engine_itl_p50_over_sequential']:.2f}")
     settings = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "device": args.device,
-                "precision": args.precision, "model": str(model_dir.name), "levels": list(levels_run),
+                "precision": args.precision, "model": str(model_dir.name), "levels": list(args.levels),
                 "rounds": args.rounds}
     print(write_result("throughput_sweep", {"settings": settings, "levels": levels}, args.out))
 

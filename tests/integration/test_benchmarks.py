@@ -32,3 +32,10 @@ def test_the_http_overhead_benchmark_writes_its_result(tmp_path):
     for level in result["levels"].values():
         assert level["engine_direct"]["requests_per_s"] > 0 and level["http"]["requests_per_s"] > 0, level
     assert result["settings"]["server_profile"] and result["settings"]["direct_device"] == "cpu", result["settings"]
+
+
+def test_a_bad_levels_flag_is_a_usage_error_not_a_traceback():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.http_overhead", "--levels", "1,0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "concurrency levels must be at least 1" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
