@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
-import sys
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -51,8 +50,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_CHUNK_TOKENS = 256
 BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 COMPUTE_BOUND_PARAMETERS = 10_000_000  # from here on, the forward pass takes every core of a small machine
-# The GIL's switch interval in a process whose engine runs on CUDA (CPython's default is 5 ms): see start().
-CUDA_SWITCH_INTERVAL_S = 0.0002
 MAX_CONSECUTIVE_FAILURES = 3  # forward passes failing in a row: the engine is broken, not a request
 
 
@@ -193,14 +190,7 @@ class TorchEngine(Engine):
         One thread runs every parallel torch op of the process, so OpenMP keeps one team of
         threads, as many as the cores: with a second team (the model loaded on another thread),
         libgomp counts more threads than cores and stops spinning between parallel regions, and a
-        decode step of the 76M model took 22.8 ms instead of 17.3 ms on 2 cores.
-
-        On CUDA the step's thread lets go of the GIL at each wait for the GPU (a copy, reading the
-        sampled tokens) and must get it back from the event loop's thread, which CPython forces
-        after its switch interval: with the default 5 ms the tiny model's c=16 step took 20.6 ms
-        on an H100, with 1 ms to 0.1 ms 2.0-2.3 ms (674 against 4,797-7,611 tok/s; README)."""
-        if self.device.type == "cuda":
-            sys.setswitchinterval(CUDA_SWITCH_INTERVAL_S)
+        decode step of the 76M model took 22.8 ms instead of 17.3 ms on 2 cores."""
         self._loop = asyncio.get_running_loop()
         loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._worker, args=(loaded,), name="torch-engine", daemon=True)
