@@ -14,9 +14,11 @@ out: the process's resident memory grows with the most tokens ever held, not wit
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
 from service.engine.lora import LoraPool
@@ -31,6 +33,12 @@ PACK_BATCH_HINT = 16  # the rows oneDNN lays a packed weight out for; any count 
 # rows: 128x384 and 256x768 ran 1.1-4x slower packed, 384x1152 broke even, 512x1536 ran 1.4-1.9x
 # faster from 8 rows).
 PACK_MIN_ELEMENTS = 2**19
+# Attention on CUDA without cuDNN's: torch prefers it on Hopper and Blackwell (sm90/sm100, recent
+# cuDNN), and it builds an execution graph for each new problem (batch, key length) on each thread
+# before running it, while almost every decode step brings a new key length. On an H100 the tiny
+# model's bf16 generate() at batch 16 took 57-82 ms a step while its shapes were new and 2.7-4.5 ms
+# once seen (README). Flash and memory-efficient attention run any shape without building anything.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class UnsupportedModel(ValueError):
@@ -136,7 +144,8 @@ class LlamaRunner:
             adapter_slots = [adapter_slots[i] for i in order for _ in chunks[i][0]]  # each token's
         else:
             adapter_slots = None  # the base model alone skips the LoRA matmuls
-        with torch.jit.optimized_execution(False):
+        attention = sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" else contextlib.nullcontext()
+        with attention, torch.jit.optimized_execution(False):
             return self.graph(ids, positions, groups, starts, tables, outputs, rope, adapter_slots)
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

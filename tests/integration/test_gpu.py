@@ -58,6 +58,23 @@ async def test_cuda_greedy_tokens_equal_the_cpus(tiny_model_dir):
     assert on_cuda == on_cpu
 
 
+
+async def test_cuda_attention_builds_no_cudnn_graph_per_shape(tiny_model_dir):
+    """A bf16 prefill and decode step on CUDA run flash or memory-efficient attention, never cuDNN's,
+    which builds a graph for every new key length (service.engine.llama_runner.CUDA_ATTENTION)."""
+    engine = TorchEngine(tiny_model_dir, device="cuda", precision="bf16", max_num_seqs=4)
+    await engine.start()
+    try:
+        ids = engine.tokenizer("Once upon a time")["input_ids"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.runner.forward([(ids, [1], 0), (ids[:3], [2], 0)])  # prompts
+            engine.runner.forward([(ids[-1:], [1], len(ids) - 1), (ids[-1:], [2], 3)])  # a decode step
+        ran = {event.key for event in profile.key_averages() if "attention" in event.key}
+    finally:
+        await engine.shutdown()
+    assert "aten::_scaled_dot_product_cudnn_attention" not in ran, ran
+    assert ran & {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"}, ran
+
 def test_the_runtime_picks_the_gpu_profile_of_a_plain_model_directory(tiny_model_dir, tmp_path):
     """A directory with no manifest on a GPU node: NVML finds the GPU, the default manifest's torch
     profile for any GPU wins over its CPU one, and the server streams the model's lines from CUDA."""
