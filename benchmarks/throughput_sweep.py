@@ -142,7 +142,10 @@ async def sweep(model_dir: Path, prompt: list[int], out_len: int, device: str, p
     await engine.start()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[precision]).to(device).eval()
     await engine_level(engine, prompt, out_len, 4)  # warm-up
-    generate_batch(model, prompt, 4, out_len)
+    # generate() runs one untimed batch of each shape first: on a GPU its first run of a shape
+    # builds cuDNN's attention graphs, 10-20x the step time (README, the GPU image)
+    for batch in sorted({1, *levels}):
+        generate_batch(model, prompt, batch, out_len)
     runs: dict[str, dict[int, list[dict]]] = {name: {level: [] for level in levels}
                                               for name in ("engine", "sequential", "static")}
     for _ in range(rounds):
