@@ -58,7 +58,6 @@ async def test_cuda_greedy_tokens_equal_the_cpus(tiny_model_dir):
     assert on_cuda == on_cpu
 
 
-
 async def test_cuda_attention_builds_no_cudnn_graph_per_shape(tiny_model_dir):
     """A bf16 prefill and decode step on CUDA run flash or memory-efficient attention, never cuDNN's,
     which builds a graph for every new key length (service.engine.llama_runner.CUDA_ATTENTION)."""
@@ -74,6 +73,7 @@ async def test_cuda_attention_builds_no_cudnn_graph_per_shape(tiny_model_dir):
         await engine.shutdown()
     assert "aten::_scaled_dot_product_cudnn_attention" not in ran, ran
     assert ran & {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"}, ran
+
 
 def test_the_runtime_picks_the_gpu_profile_of_a_plain_model_directory(tiny_model_dir, tmp_path):
     """A directory with no manifest on a GPU node: NVML finds the GPU, the default manifest's torch
