@@ -4,7 +4,8 @@ A request's constraint (`Constraint`: a JSON schema, any JSON, a regex, a choice
 an xgrammar structural tag) is compiled once per distinct constraint (xgrammar caches by its text)
 on a thread of its own, never on the event loop. Each constrained choice gets a `GrammarMatcher`;
 before sampling, every constrained row of the batch has the tokens its grammar forbids masked to
--inf, in place, so constrained and free sequences decode in the same step. The grammar's end admits
+-inf, in place, so constrained and free sequences decode in the same step; a row left with no token
+fails its request (a 400: the constraint is the client's). The grammar's end admits
 only the model's stop tokens, so a finished constraint ends the choice as a stop token does.
 """
 
@@ -109,7 +110,16 @@ class GrammarCompiler:
         self._bitmask: torch.Tensor | None = None  # reused from step to step, grown to the largest batch
 
     def compile(self, constraint: Constraint):
-        """The compiled grammar; GrammarError with xgrammar's reason when it cannot be compiled."""
+        """The compiled grammar; GrammarError with xgrammar's reason when it cannot be compiled, or
+        when no token can begin it (a schema that only refers to itself: xgrammar compiles it)."""
+        compiled = self._compile(constraint)
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher(compiled).fill_next_token_bitmask(bitmask)
+        if self.dead_ends(torch.zeros(1, self.vocab_size), [(0, None)], bitmask):
+            raise GrammarError("it admits no output: no token can begin it")
+        return compiled
+
+    def _compile(self, constraint: Constraint):
         compiler, kind = self.compiler, constraint.kind
         try:
             if kind == "json":
@@ -129,8 +139,9 @@ class GrammarCompiler:
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
-        """Mask `logits` [batch, vocab] in place: each (row, matcher) keeps only what its grammar allows.
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> set[int]:
+        """Mask `logits` [batch, vocab] in place: each (row, matcher) keeps only what its grammar allows;
+        returns the rows left with no token.
 
         One call fills every row and one applies them: each call into a native library may hand the
         GIL to the event loop, and taking it back can wait out the loop's switch interval (measured:
@@ -139,8 +150,16 @@ class GrammarCompiler:
             self._bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         bitmask, indices = self._bitmask[:logits.shape[0]], [row for row, _ in rows]
         self._batch.batch_fill_next_token_bitmask([matcher for _, matcher in rows], bitmask, indices)
+        return self.dead_ends(logits, rows, bitmask)
+
+    def dead_ends(self, logits: torch.Tensor, rows: list[tuple[int, object]], bitmask: torch.Tensor) -> set[int]:
+        """Apply `bitmask` to `rows` of `logits` in place; the rows it leaves no token (a grammar that
+        compiles and then leads nowhere, as `x ::= x "b"` after its first token)."""
+        indices = [row for row, _ in rows]
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=indices)
+        best = logits[indices].amax(dim=-1)
+        return {row for row, value in zip(indices, best.tolist()) if value == float("-inf")}
 
     def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
         """Advance each matcher by its token, in one call; False where the grammar refuses it."""

@@ -463,9 +463,10 @@ class TorchEngine(Engine):
         Rows under a grammar first lose the tokens it forbids (on a copy: the logits stay as computed)."""
         constrained = [(row, seq.request.owner.matchers[seq.index]) for row, seq in enumerate(seqs)
                        if seq.request.owner.matchers and not seq.request.owner.outputs[seq.index].finished]
+        stuck: set[int] = set()
         if constrained:
             logits = logits.clone()
-            self._grammars.mask(logits, constrained)
+            stuck = self._grammars.mask(logits, constrained)
         greedy = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
             state = seq.request.owner
@@ -473,6 +474,8 @@ class TorchEngine(Engine):
             if state.error or output.finished:
                 continue
             try:
+                if row in stuck:
+                    raise SamplingError("the request's constraint admits no further token")
                 if params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
                     token = greedy[row]
                 else:

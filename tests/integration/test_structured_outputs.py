@@ -186,6 +186,30 @@ def test_unknown_named_tool_and_hostile_parameters_are_400(oai):
         assert error.value.body["param"] == "tools"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_that_leads_nowhere_is_the_requests_400_and_the_engine_serves_on(oai, temperature):
+    """xgrammar compiles both: a schema that only refers to itself admits no first token, and this
+    grammar none after its "a". Greedy decoding once took token 0, which the grammar refused: a 503
+    "engine unavailable" for the client's own input."""
+    nothing = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.chat.completions.create(model=MODEL, messages=ask(0), temperature=temperature, max_tokens=5,
+                                        response_format=nothing, stream=stream)
+        assert error.value.body["param"] == "response_format"
+        assert "admits no output" in error.value.body["message"]
+    dead_end = {"structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x "b"'}}
+    with pytest.raises(openai.BadRequestError, match="admits no further token"):
+        oai.completions.create(model=MODEL, prompt="hi", temperature=temperature, max_tokens=5, extra_body=dead_end)
+    with pytest.raises(openai.APIError, match="admits no further token") as error:
+        for _ in oai.completions.create(model=MODEL, prompt="hi", temperature=temperature, max_tokens=5,
+                                        extra_body=dead_end, stream=True):
+            pass
+    assert error.value.body["type"] == "invalid_request_error"
+    served = oai.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert served.usage.completion_tokens == 3
+
+
 # -- prompt logprobs -------------------------------------------------------------------------------
 def reference_logprobs(model_dir, prompt_ids: list[int]) -> torch.Tensor:
     """transformers' log_softmax at each position, in fp32: row i scores token i + 1."""
