@@ -16,6 +16,11 @@ import torch
 from service.engine.base import SamplingError, SamplingParams, TokenLogprob, TopLogprob
 
 
+# The least log-probability reported: a token a grammar forbids has -inf, which JSON cannot carry
+# (vLLM's OpenAI server writes the same floor).
+MIN_LOGPROB = -9999.0
+
+
 def make_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator:
     """A generator per choice: `seed + index` when seeded, so n>1 choices differ but repeat."""
     seed = params.seed + index if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -66,8 +71,8 @@ def scored_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int, token_
                   ranked: bool = False) -> list[TokenLogprob]:
     """Row i's log-probability of token_ids[i] (with its rank if `ranked`: a pass over the vocabulary
     that only prompt logprobs report), and the row's `top_n` likeliest tokens: one log_softmax over
-    all rows (a prompt's logprobs are one row per token)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    all rows (a prompt's logprobs are one row per token), floored at MIN_LOGPROB."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp_(min=MIN_LOGPROB)
     chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist() if ranked else [None] * len(token_ids)
     tops: list[tuple[TopLogprob, ...]] = [()] * len(token_ids)

@@ -210,6 +210,21 @@ def test_a_constraint_that_leads_nowhere_is_the_requests_400_and_the_engine_serv
     assert served.usage.completion_tokens == 3
 
 
+def test_logprobs_of_the_tokens_a_constraint_forbids_are_floored_as_vllm_floors_them(oai):
+    """Under a grammar most tokens have logprob -inf, which JSON cannot carry: a reply asking for
+    top_logprobs was once a 500 (its stream said null). vLLM's server writes -9999.0."""
+    one = {"structured_outputs": {"regex": "a"}}  # a single token allowed, so most of the top 5 are forbidden
+    for stream in (False, True):
+        reply = oai.chat.completions.create(model=MODEL, messages=ask(0), max_tokens=2, logprobs=True, top_logprobs=5,
+                                            extra_body=one, stream=stream)
+        entries = [entry for part in (reply if stream else [reply]) for choice in part.choices
+                   if choice.logprobs for entry in choice.logprobs.content or []]
+        tops = [top.logprob for top in entries[0].top_logprobs]
+        assert len(tops) == 5 and min(tops) == -9999.0 and entries[0].logprob == max(tops) > -9999.0
+    reply = oai.completions.create(model=MODEL, prompt="hi", max_tokens=1, logprobs=5, extra_body=one)
+    assert min(reply.choices[0].logprobs.top_logprobs[0].values()) == -9999.0
+
+
 # -- prompt logprobs -------------------------------------------------------------------------------
 def reference_logprobs(model_dir, prompt_ids: list[int]) -> torch.Tensor:
     """transformers' log_softmax at each position, in fp32: row i scores token i + 1."""
