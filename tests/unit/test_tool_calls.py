@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from service.api.tool_calls import HermesParser, tool_constraint
 from service.engine.grammar import Constraint, GrammarCompiler, GrammarError, bounded_strings, choice_grammar
@@ -115,3 +116,18 @@ def test_a_constraint_that_cannot_compile_names_the_reason(compiler, constraint)
     with pytest.raises(GrammarError) as error:
         compiler.compile(constraint)
     assert str(error.value) and not str(error.value).startswith("[")  # xgrammar's source position is gone
+
+
+def test_a_constraint_that_admits_nothing_is_refused_and_one_that_leads_nowhere_is_seen_in_the_mask(compiler):
+    for nothing in (Constraint.json_schema({"$ref": "#"}), Constraint("grammar", 'root ::= root "a"')):
+        with pytest.raises(GrammarError, match="admits no output"):
+            compiler.compile(nothing)
+    dead_end = compiler.matcher(compiler.compile(Constraint("grammar", 'root ::= "a" x\nx ::= x "b"')))
+    alive = compiler.matcher(compiler.compile(Constraint("regex", "a+")))
+    logits = torch.zeros(3, compiler.vocab_size)
+    assert compiler.mask(logits, [(0, dead_end), (2, alive)]) == set()  # both may begin with "a"
+    first = int(torch.isfinite(logits[0]).nonzero()[0])
+    assert dead_end.accept_token(first) and alive.accept_token(first)
+    logits = torch.zeros(3, compiler.vocab_size)
+    assert compiler.mask(logits, [(0, dead_end), (2, alive)]) == {0}
+    assert not torch.isfinite(logits[0]).any() and torch.isfinite(logits[1]).all() and torch.isfinite(logits[2]).any()
