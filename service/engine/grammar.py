@@ -5,8 +5,8 @@ an xgrammar structural tag) is compiled once per distinct constraint (xgrammar c
 on a thread of its own, never on the event loop. Each constrained choice gets a `GrammarMatcher`;
 before sampling, every constrained row of the batch has the tokens its grammar forbids masked to
 -inf, in place, so constrained and free sequences decode in the same step; a row left with no token
-fails its request (a 400: the constraint is the client's). The grammar's end admits
-only the model's stop tokens, so a finished constraint ends the choice as a stop token does.
+fails its request (a 400: the constraint is the client's). The grammar's end admits only the
+model's stop tokens, so a finished constraint ends the choice as a stop token does.
 """
 
 from __future__ import annotations
