@@ -12,9 +12,9 @@ results/lora_adapters.json.
     python -m benchmarks.lora_adapters [--rounds 3] [--requests 96] [--max-tokens 64] [--no-vllm]
                                        [--vllm-python VENV/bin/python]
 
-In the vllm-cpu image vLLM runs with the sample spec's `enforce_eager` (the image has no C++
-compiler for torch.compile), labelled so in the JSON; `--vllm-python` adds vLLM in its default
-configuration (torch.compile on) from a host environment that has one.
+In the vllm-cpu image vLLM runs with the sample spec's `enforce_eager` (the spec's choice, for
+start-up time), labelled so in the JSON; `--vllm-python` adds vLLM in its default configuration
+(torch.compile on) from a host environment.
 """
 
 from __future__ import annotations
@@ -125,14 +125,13 @@ def on_vllm(source: Path, adapters: list[str], args) -> dict:
         rounds = rounds_on(running.url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
     finally:
         running.stop()
-    return {"image": image, "configuration": "vLLM's own server, enforce_eager (no compiler in the image)",
+    return {"image": image, "configuration": "vLLM's own server, enforce_eager (the sample spec's)",
             "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}
 
 
 def on_vllm_host(python: str, source: Path, adapters: list[str], args) -> dict:
     """vLLM's own server as its documentation starts it, default configuration (torch.compile on),
-    from a Python environment with vLLM's CPU build on this host (which has the C++ compiler the
-    image lacks), the same adapters as --lora-modules."""
+    from a Python environment with vLLM's CPU build on this host, the same adapters as --lora-modules."""
     lora = ["--enable-lora", "--max-lora-rank", str(args.rank), "--max-loras", str(ADAPTERS),
             "--max-cpu-loras", str(ADAPTERS), "--lora-modules", *(f"{name}={source / name}" for name in adapters)]
     with vllm_on_host(python, ensure_tiny_model(), "tiny-llama", source.parent / "vllm-host.log", lora) as (url, ready_s):
