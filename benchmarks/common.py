@@ -122,17 +122,20 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
             "output_tokens": round(data["output_sequence_length"]["avg"], 1)}
 
 
+# The ~76M-parameter Llama shape the engine benchmarks measure (head_dim 64; LlamaConfig's arguments).
+LLAMA_76M = {"vocab_size": 640, "hidden_size": 768, "intermediate_size": 2304, "num_hidden_layers": 10,
+             "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512}
+
+
 def make_76m_llama(out: Path) -> Path:
-    """A random-weights Llama of ~76M parameters with the tiny model's tokenizer (head_dim 64)."""
+    """A random-weights Llama of LLAMA_76M's shape with the tiny model's tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from factory.tinymodel import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=640, hidden_size=768, intermediate_size=2304, num_hidden_layers=10,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    config = LlamaConfig(**LLAMA_76M, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny).save_pretrained(out)

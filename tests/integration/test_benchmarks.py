@@ -39,3 +39,20 @@ def test_a_bad_levels_flag_is_a_usage_error_not_a_traceback():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "concurrency levels must be at least 1" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_the_decode_matmuls_benchmark_checks_each_kernel_and_writes_its_result(tmp_path):
+    """Two of its kernels, one round, few steps (about 20 s): each computes the step's matmuls
+    right (against x @ W.T) and reads at a positive rate beside the sum's."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.decode_matmuls", "--kernels", "onednn_packed,openblas",
+                          "--rounds", "1", "--repeats", "4", "--rows", "1,2", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "decode_matmuls.json").read_text())
+    assert set(result["kernels"]) == {"onednn_packed", "openblas"}, result
+    for kernel in result["kernels"].values():
+        assert kernel["weight_mb"] > 300, kernel  # the 76M shape's 40 fused fp32 weights
+        for rows in ("rows_1", "rows_2"):
+            assert kernel[rows]["max_abs_error"] < 1e-4 and kernel[rows]["read_gb_s"] > 0, kernel
+            assert kernel[rows]["sum_gb_s"] > 0, kernel
+    assert result["machine"]["cpu"]["flags"] is not None and result["threads"] >= 1
