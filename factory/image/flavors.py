@@ -14,20 +14,19 @@ from typing import Literal
 from factory.paths import repo_root
 
 FlavorName = Literal["cpu", "vllm-cpu", "cuda"]
-# Bases bootstrapped from Debian's archive (build.py), tagged by their package list.
-DEBIAN_PYTHON = ("python3", "python3-venv")
-# vLLM's CPU kernels link libnuma; torch.compile, which vLLM's sampler uses even with enforce_eager,
-# and Triton, which builds its CUDA launcher at first use, need a C compiler and Python's headers.
-# Both vLLM flavors share this base, so its layers are pulled once per node.
-DEBIAN_VLLM = (*DEBIAN_PYTHON, "libnuma1", "g++", "python3-dev")
+# The base every flavor shares, bootstrapped from Debian's archive (build.py) and tagged by its
+# package list, so its layers are pulled once per node. vLLM's CPU kernels link libnuma;
+# torch.compile (vLLM's sampler even with enforce_eager; the torch engine's `compile_decode`) and
+# Triton, which builds its CUDA launcher at first use, need a C++ compiler and Python's headers.
+DEBIAN_RUNTIME = ("python3", "python3-venv", "libnuma1", "g++", "python3-dev")
 
 
 def debian_base(packages: tuple[str, ...]) -> str:
     return "inferkiln/base:bookworm-py311-" + hashlib.sha256(",".join(packages).encode()).hexdigest()[:8]
 
 
-DEBIAN_BASES = {debian_base(packages): packages for packages in (DEBIAN_PYTHON, DEBIAN_VLLM)}
-DEBIAN_BASE_IMAGE = debian_base(DEBIAN_PYTHON)
+DEBIAN_BASE_IMAGE = debian_base(DEBIAN_RUNTIME)
+DEBIAN_BASES = {DEBIAN_BASE_IMAGE: DEBIAN_RUNTIME}
 
 
 @dataclass(frozen=True)
@@ -113,13 +112,13 @@ FLAVORS: dict[str, Flavor] = {
     # doesn't include CPU backend") for its C++ kernels: 1 GB installed for nothing. OpenCV decodes
     # images and video for multimodal inputs, as in the cuda flavor (CUDA_LEFT_OUT).
     # Platform: Debian bookworm's glibc 2.36 (vLLM's dependencies need newer than manylinux_2_28).
-    "vllm-cpu": Flavor("vllm-cpu", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
+    "vllm-cpu": Flavor("vllm-cpu", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_36",
                        no_emit=("torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless"),
                        local_wheels=True, engines=("vllm", "torch")),
     # vLLM's CUDA build with torch's CUDA build and the CUDA libraries as wheels, on the same Debian
     # base: no NVIDIA base image (the driver's libraries come from the container toolkit at run time).
     # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
-    "cuda": Flavor("cuda", debian_base(DEBIAN_VLLM), "3.11", "x86_64-manylinux_2_36",
+    "cuda": Flavor("cuda", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_36",
                    no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), links=CUDA_HOME_LINKS,
                    driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch")),
 }
