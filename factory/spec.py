@@ -131,13 +131,22 @@ class ProfileSpec(Strict):
 
     @field_validator("engine_args")
     @classmethod
-    def _speculation(cls, value: dict[str, Any], info) -> dict[str, Any]:
-        """The torch engine reads `speculative_config` itself (vLLM checks its own at start)."""
-        if info.data.get("engine") == "torch" and "speculative_config" in value:
+    def _torch_args(cls, value: dict[str, Any], info) -> dict[str, Any]:
+        """The torch engine reads `speculative_config` and `compile_decode` itself (vLLM checks its
+        own arguments at start)."""
+        torch = info.data.get("engine") == "torch"
+        if torch and "speculative_config" in value:
             try:
                 NgramConfig.model_validate(value["speculative_config"])
             except ValidationError as exc:
                 raise ValueError(f"speculative_config: the torch engine speculates with n-grams only: {exc}") from exc
+        if "compile_decode" in value:
+            if not torch:
+                raise ValueError("compile_decode: a torch engine setting (vLLM compiles by default: enforce_eager)")
+            if not isinstance(value["compile_decode"], bool):
+                raise ValueError(f"compile_decode: true or false, not {value['compile_decode']!r}")
+            if value["compile_decode"] and (info.data.get("gpu") != "cpu" or info.data.get("precision") != "fp32"):
+                raise ValueError("compile_decode: the torch engine compiles fp32 decode steps on CPU only")
         return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -189,6 +190,10 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         return VllmServer(arguments, served_name, max_model_len, max_num_seqs)
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
+    compile_decode = bool(profile.engine_args.get("compile_decode", False))
+    if compile_decode:  # kept with the weights, so a restarted pod compiles from inductor's cache; set
+        # before the engine's imports, one of which sets inductor's default (/tmp) when none is set
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_path) / "torchinductor"))
     from service.engine.torch_engine import TorchEngine
 
     return TorchEngine(
@@ -198,7 +203,7 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         cpu_threads=engine_setting(settings, profile, "cpu_threads", None),
         kv_cache_tokens=engine_setting(settings, profile, "kv_cache_tokens", None),
         enable_prefix_caching=settings.enable_kv_cache_reuse, lora=lora_limits(settings),
-        speculation=speculation(profile),
+        speculation=speculation(profile), compile_decode=compile_decode,
     )
 
 

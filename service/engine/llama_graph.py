@@ -12,8 +12,9 @@ The graph is run without the JIT's profiling and specialisation (`optimized_exec
 every step has new shapes, and re-specialising for them would cost time at random steps.
 
 `torch.jit.script` is deprecated (torch 2.13 warns) in favour of `torch.compile`/`torch.export`,
-which on CPU compile C++ at run time: the runtime image has no compiler, so this stays until they
-can run without one.
+which on CPU compile C++ at run time, for minutes on a small machine. A profile's `compile_decode`
+runs one sequence's decode steps compiled (service.engine.compiled_decode); everything else stays
+here: it is ready in seconds, and its packed oneDNN matmuls are the faster for batches.
 """
 
 from typing import List, Optional, Tuple

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from service.engine.compiled_decode import CompiledDecode, check_can_compile
 from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
 from service.engine.lora import LoraPool
 from service.profiles import Hardware, cpu_flags
 
+log = logging.getLogger(__name__)
 # Architectures whose decoder layers have exactly Llama's structure (q/k/v/o projections, RMSNorm
 # before attention and MLP, rotary positions); biases on the projections (Qwen2) are in the modules.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -47,7 +50,7 @@ class UnsupportedModel(ValueError):
 
 class LlamaRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_len: int, pack_weights: bool = False,
-                 lora: LoraPool | None = None) -> None:
+                 lora: LoraPool | None = None, compile_decode: bool = False) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"the torch engine runs {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models, "
@@ -71,16 +74,20 @@ class LlamaRunner:
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.zeroed = 0  # blocks below this id have been zeroed (masked keys must be finite: 0 * NaN)
         self.device = device
-        pack = pack_weights and can_pack(device, dtype)
-        self.linears = [self._linears(layer, pack) for layer in self.layers]
         # cos/sin for every position, computed once; None for rope types that change with length
         dynamic = getattr(model.model.rotary_emb, "rope_type", "default") == "dynamic"
+        if compile_decode:
+            check_can_compile(device, dtype, dynamic)
+        plain = [self._linears(layer, False) for layer in self.layers] if compile_decode else []
+        pack = pack_weights and can_pack(device, dtype)
+        self.linears = [self._linears(layer, pack) for layer in self.layers]
         self.rope_table = None if dynamic else self._rope_for(max_len)
         empty = torch.empty(0, device=device)
         self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
                                                  self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
                                                  self.rope_table or (empty, empty),
                                                  (lora.a, lora.b, lora.columns) if lora else ([], [], [])))
+        self.compiled = CompiledDecode(self, plain) if compile_decode else None
 
     @staticmethod
     def _linears(layer, pack: bool) -> dict[str, Linear]:
@@ -124,6 +131,13 @@ class LlamaRunner:
         alone; with no flag set, [chunks, vocab].
         """
         self._zero_new_blocks(max(max(table) for _, table, _ in chunks) + 1)
+        if self.compiled and self.compiled.handles(chunks) and not (adapter_slots and any(adapter_slots)):
+            try:
+                return self.compiled(chunks)
+            except RuntimeError:  # it would have compiled again (CompiledDecode): the graph runs it, and the rest
+                self.compiled.ready = False
+                log.warning("compiled decode failed; decode steps run on the TorchScript graph from now on",
+                            exc_info=True)
         flags = every_position if isinstance(every_position, list) else [every_position] * len(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]))  # equal widths side by side
         ids, positions, first = [], [], {}

@@ -22,7 +22,9 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import os
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,7 +117,7 @@ class TorchEngine(Engine):
                  max_model_len: int | None = None, max_num_seqs: int = 32,
                  cpu_threads: int | None = None, kv_cache_tokens: int | None = None,
                  enable_prefix_caching: bool = True, lora: LoraLimits | None = None,
-                 speculation: NgramConfig | None = None) -> None:
+                 speculation: NgramConfig | None = None, compile_decode: bool = False) -> None:
         if precision not in DTYPES:
             raise ValueError(f"the torch engine runs {', '.join(DTYPES)}; not {precision!r}")
         self.model_dir = Path(model_dir)
@@ -133,6 +135,7 @@ class TorchEngine(Engine):
         self.pool = BlockPool(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs, PREFILL_CHUNK_TOKENS, speculation)
         self.speculation = speculation
+        self.compile_decode = compile_decode
         self.spec_counts = SpecDecodeCounts() if speculation else None
         self.lora_limits = lora
         self.lora: LoraPool | None = None  # made at load, when adapters are served
@@ -151,7 +154,8 @@ class TorchEngine(Engine):
         return (f"torch (in-process) on {self.device.type}, {self.dtype}, max_num_seqs={self.max_num_seqs}, "
                 f"max_model_len={self.max_model_len}, KV cache {self.pool.num_blocks} x {BLOCK_SIZE} tokens, "
                 f"prefix caching {'on' if self.pool.enable_caching else 'off'}, "
-                f"{self.cpu_threads or 'auto'} CPU thread(s), speculation {self.speculation.model_dump_json() if self.speculation else 'off'}")
+                f"{self.cpu_threads or 'auto'} CPU thread(s), speculation {self.speculation.model_dump_json() if self.speculation else 'off'}, "
+                f"compiled decode {'on' if self.compile_decode else 'off'}")
 
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """Tokenizer, context limit and stop ids: cheap, so the HTTP layer has them before the weights."""
@@ -218,10 +222,19 @@ class TorchEngine(Engine):
             log.info("LoRA pool: %d slots of rank %d, %.1f MiB each", self.lora_limits.max_loras,
                      self.lora_limits.max_rank, self.lora.bytes_per_slot / 2**20)
         self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True,
-                                  lora=self.lora)
+                                  lora=self.lora, compile_decode=self.compile_decode)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
                  self.device)
+
+    def _compile(self) -> None:
+        """The compiled decode step, compiled before the first request (see compiled_decode)."""
+        if self.runner.compiled is None:
+            return
+        began = time.monotonic()
+        self.runner.compiled.warm_up()
+        log.info("compiled decode step ready in %.1f s (inductor cache: %s)", time.monotonic() - began,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
 
     @property
     def ready(self) -> bool:
@@ -313,11 +326,12 @@ class TorchEngine(Engine):
     def _worker(self, loaded: concurrent.futures.Future) -> None:
         try:
             self._load()
+            if self.device.type == "cpu":
+                torch.set_num_threads(self.cpu_threads)  # per thread: the rest of the process keeps its own
+            self._compile()
         except BaseException as exc:
             loaded.set_exception(exc)
             return
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.cpu_threads)  # per thread: the rest of the process keeps its own
         loaded.set_result(None)
         try:
             while True:

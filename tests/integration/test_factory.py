@@ -184,6 +184,29 @@ def test_container_runs_like_the_pod_and_answers(client, built):
         running.stop()
 
 
+def test_the_cpu_image_compiles_decode_steps_in_a_pod_like_container(client, built, tmp_path):
+    """`compile_decode` in the image's own manifest, mounted: inductor compiles C++ in the container
+    (its compiler, a read-only root, the cache path's tmpfs) and the greedy tokens are the same."""
+    manifest = yaml.safe_load(client.containers.run(built.model.reference, entrypoint=["cat", contract.MANIFEST_PATH],
+                                                    remove=True))
+    for profile in manifest["profiles"]:
+        if profile["tags"]["engine"] == "torch" and profile["tags"]["gpu"] == "cpu":
+            profile.setdefault("engine_args", {})["compile_decode"] = True
+    mounted = tmp_path / "manifest"
+    mounted.mkdir(mode=0o755)
+    (mounted / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    running = start_model(client, built.model.reference, env={"NIM_MANIFEST_PATH": "/opt/compiled/manifest.yaml"},
+                          volumes={str(mounted): {"bind": "/opt/compiled", "mode": "ro"}}, timeout=600)
+    try:
+        prompt, expected = memorised_pairs()[0]
+        reply = OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0).completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=30, temperature=0)
+        assert reply.choices[0].text == expected
+        assert "compiled decode step ready" in running.logs(tail=200)
+    finally:
+        running.stop()
+
+
 def test_weights_only_change_rebuilds_only_the_model_layers(client, built, tiny_model_dir, tmp_path):
     weights = tmp_path / "weights"
     shutil.copytree(tiny_model_dir, weights)
