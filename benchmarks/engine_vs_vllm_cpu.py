@@ -14,6 +14,8 @@ server token counts:
   decode step reads (every weight but the embedding table, one row of which is gathered, and the
   KV cache at the run's mean context): their quotient bounds decode tokens/s, and each engine's
   c=1 decode rate (1 / inter-token latency) is reported as a fraction of that limit;
+- in fp32, the torch engine with its compiled decode step too (`torch_compiled`: a profile with
+  `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
   why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
@@ -108,11 +110,11 @@ def rotated(names: list[str], turn: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def bf16_manifest(model_dir: Path, path: Path) -> Path:
-    """A manifest with the torch engine's bf16 CPU profile (the default manifest's CPU profile is fp32)."""
-    tags = ProfileTags(engine="torch", precision="bf16", gpu="cpu", profile="latency")
+def manifest_file(model_dir: Path, path: Path, precision: str, **engine_args) -> Path:
+    """A manifest with one torch CPU profile of `precision` and `engine_args`."""
+    tags = ProfileTags(engine="torch", precision=precision, gpu="cpu", profile="latency")
     manifest = Manifest(model=ModelInfo(name=NAME, source=f"local://{model_dir.resolve()}"),
-                        profiles=[Profile(tags=tags, engine_args={"max_num_seqs": 32})])
+                        profiles=[Profile(tags=tags, engine_args={"max_num_seqs": 32, **engine_args})])
     path.write_text(json.dumps(manifest.model_dump(mode="json", exclude_none=True)))
     return path
 
@@ -121,15 +123,21 @@ def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtyp
             work: Path) -> tuple[dict[str, str], dict[str, float]]:
     """Every configuration of one model and dtype, started: their URLs and seconds to ready."""
     args = ["--model", str(model_dir), "--served-model-name", NAME, "--max-model-len", "512"]
-    if dtype == "bfloat16":
-        args += ["--manifest", str(bf16_manifest(model_dir, work / "manifest.json"))]
-    torch_configs = {"torch": {}, "torch_no_prefix_cache": {"NIM_ENABLE_KV_CACHE_REUSE": "0"}}
+    precision = PRECISIONS[dtype]
+    manifest = [] if precision == "fp32" else ["--manifest",
+                                               str(manifest_file(model_dir, work / "manifest.json", precision))]
+    torch_configs = {"torch": ({}, manifest), "torch_no_prefix_cache": ({"NIM_ENABLE_KV_CACHE_REUSE": "0"}, manifest)}
     if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all below SPARE_CORE_FROM
-        torch_configs["torch_all_cores"] = {"NIM_CPU_THREADS": str(cpu_cores())}
+        torch_configs["torch_all_cores"] = ({"NIM_CPU_THREADS": str(cpu_cores())}, manifest)
+    if precision == "fp32":  # the compiled decode step (service.engine.compiled_decode), its cache cold
+        compiled = manifest_file(model_dir, work / "compiled.json", precision, compile_decode=True)
+        torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")},
+                                           ["--manifest", str(compiled)])
     urls, ready = {}, {}
-    for name, env in torch_configs.items():
+    for name, (env, extra) in torch_configs.items():
         began = time.perf_counter()
-        server = stack.enter_context(ServerProcess(args, env=env, log_path=work / f"{name}.log", timeout=600))
+        server = stack.enter_context(ServerProcess([*args, *extra], env=env, log_path=work / f"{name}.log",
+                                                   timeout=900))
         urls[name], ready[name] = server.url, time.perf_counter() - began
     for name, extra in {"vllm": [], "vllm_eager": ["--enforce-eager"]}.items():
         urls[name], ready[name] = stack.enter_context(
@@ -172,7 +180,8 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
                           for name in engines},
                        **{f"ttft_p50_{name}_over_vllm": paired(levels[name], levels["vllm"], "ttft_p50_ms")
                           for name in engines},
-                       "itl_p50_torch_over_vllm": paired(levels["torch"], levels["vllm"], "itl_p50_ms"),
+                       **{f"itl_p50_{name}_over_vllm": paired(levels[name], levels["vllm"], "itl_p50_ms")
+                          for name in engines if name.startswith("torch")},
                        "shared_prefix_ttft_p50_cached_over_uncached":
                            spread([a["ttft_p50_ms"] / b["ttft_p50_ms"]
                                    for a, b in zip(shared["torch"], shared["torch_no_prefix_cache"])]),
