@@ -145,8 +145,9 @@ class ProfileSpec(Strict):
                 raise ValueError("compile_decode: a torch engine setting (vLLM compiles by default: enforce_eager)")
             if not isinstance(value["compile_decode"], bool):
                 raise ValueError(f"compile_decode: true or false, not {value['compile_decode']!r}")
-            if value["compile_decode"] and (info.data.get("gpu") != "cpu" or info.data.get("precision") != "fp32"):
-                raise ValueError("compile_decode: the torch engine compiles fp32 decode steps on CPU only")
+            if value["compile_decode"] and (info.data.get("gpu") != "cpu"
+                                            or info.data.get("precision") not in ("fp32", "bf16")):
+                raise ValueError("compile_decode: the torch engine compiles fp32 and bf16 decode steps on CPU only")
         return value
 
 

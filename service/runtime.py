@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

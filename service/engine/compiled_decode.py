@@ -8,8 +8,8 @@ the weights frozen into the compiled code, read them at 0.9-1.0 of it, and induc
 rotary positions, attention and activation around the matmuls into a few loops.
 
 It runs one sequence's decode steps; batches stay on the TorchScript graph (see CompiledDecode).
-What it costs: a C++ compiler in the image; C++ compiled at start-up, 1.5-2 minutes for the 76M
-model on 2 cores when inductor's cache (TORCHINDUCTOR_CACHE_DIR) is cold, 10-30 s when warm; and
+What it costs: a C++ compiler in the image; C++ compiled at start-up, 70-100 s for the 76M model
+on 2 cores when inductor's cache (TORCHINDUCTOR_CACHE_DIR) is cold, 10-30 s when warm; and
 inductor's copy of the weights (frozen, repacked) beside the oneDNN-packed one the graph runs.
 
 The compiled step reads the KV cache and never writes it: written inside, inductor's functionalised
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.llama_graph import activation, rms_norm, rotate
+from service.profiles import Hardware, cpu_flags
 
 # Inductor's options for the step: weights frozen as constants, which lets max-autotune choose its
 # C++ GEMM template (it packs the weights at compile time) where it times faster than aten's matmul
@@ -39,8 +40,12 @@ class CompileUnavailable(ValueError):
 
 
 def check_can_compile(device: torch.device, dtype: torch.dtype, dynamic_rope: bool) -> None:
-    if device.type != "cpu" or dtype != torch.float32:
-        raise CompileUnavailable(f"compile_decode runs fp32 on CPU; this profile runs {dtype} on {device.type}")
+    """bf16 only where the CPU computes it natively: inductor's bf16 GEMM template needs AVX512-BF16 or
+    AMX (elsewhere bf16 is not a CPU profile at all)."""
+    bf16 = dtype == torch.bfloat16 and Hardware(cpu_flags=cpu_flags()).cpu_runs("bf16")
+    if device.type != "cpu" or not (dtype == torch.float32 or bf16):
+        raise CompileUnavailable(f"compile_decode runs fp32 on CPU, and bf16 on CPUs that compute it natively "
+                                 f"(AVX512-BF16 or AMX); this profile runs {dtype} on {device.type}")
     if dynamic_rope:
         raise CompileUnavailable("compile_decode needs fixed rotary tables; this model's change with length")
     if not (shutil.which("c++") or shutil.which("g++")):
@@ -117,7 +122,6 @@ class CompiledDecode:
     DecodeStep compiled; batches of several stay on the TorchScript graph, whose packed oneDNN
     matmuls read the weights faster from a few rows on (76M shape, 2 cores: 26 against 40 ms at
     8 sequences, 22 against 15 ms at one, in one process).
-
 
     DecodeStep gets plain copies of the fused weights; once compiled, inductor holds its own packed
     constants and the plain copies' memory is released (the tensors keep their shapes, which

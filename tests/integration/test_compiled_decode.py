@@ -14,6 +14,7 @@ from openai import OpenAI
 from service.engine.torch_engine import TorchEngine
 from service.launcher import ServerProcess
 from service.manifest import default_manifest
+from service.profiles import Hardware, cpu_flags
 from tests.integration.test_batching import collect, varied_requests
 
 pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
@@ -69,6 +70,26 @@ def test_a_step_that_would_compile_again_raises_and_the_graph_takes_over(engines
     assert [loop.run_until_complete(collect(compiled, r)) for r in reqs] == expected
     assert not step.ready
     step.ready = True  # the module's engine is shared: back as it was
+
+
+@pytest.mark.skipif(not Hardware(cpu_flags=cpu_flags()).cpu_runs("bf16"),
+                    reason="this CPU does not compute bf16 natively (AVX512-BF16 or AMX)")
+def test_bf16_decodes_compiled_with_the_graphs_greedy_tokens(tiny_model_dir):
+    """bf16 weights and KV cache: inductor's kernels and oneDNN's round differently, yet on the
+    memorised lines the greedy tokens agree."""
+    async def tokens(compile_decode: bool) -> tuple[list[dict], int]:
+        engine = TorchEngine(tiny_model_dir, precision="bf16", max_num_seqs=8, compile_decode=compile_decode)
+        await engine.start()
+        try:
+            out = [await collect(engine, r) for r in varied_requests(engine, 6)]
+            return out, engine.runner.compiled.steps if compile_decode else 0
+        finally:
+            await engine.shutdown()
+
+    expected, _ = asyncio.run(tokens(False))
+    compiled, steps = asyncio.run(tokens(True))
+    assert compiled == expected
+    assert steps >= sum(len(t[0]) for t in expected) - 2 * len(expected)
 
 
 def test_the_profile_turns_it_on(tiny_model_dir, tmp_path, monkeypatch):

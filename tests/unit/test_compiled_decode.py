@@ -34,12 +34,23 @@ def test_the_step_computes_what_transformers_computes_over_paged_blocks(tiny_mod
 
 @pytest.mark.parametrize("device,dtype,dynamic,words", [
     ("cuda", torch.float32, False, "fp32 on CPU"),
-    ("cpu", torch.bfloat16, False, "fp32 on CPU"),
+    ("cpu", torch.float16, False, "fp32 on CPU"),
     ("cpu", torch.float32, True, "fixed rotary tables"),
 ])
 def test_where_it_cannot_run_it_says_why(device, dtype, dynamic, words):
     with pytest.raises(CompileUnavailable, match=words):
         check_can_compile(torch.device(device), dtype, dynamic)
+
+
+@pytest.mark.parametrize("flags,allowed", [({"avx2", "avx512f"}, False), ({"avx512f", "avx512_bf16"}, True),
+                                           ({"amx_tile", "amx_bf16"}, True)])
+def test_bf16_only_where_the_cpu_computes_it(monkeypatch, flags, allowed):
+    monkeypatch.setattr(compiled_decode, "cpu_flags", lambda: frozenset(flags))
+    if allowed:
+        check_can_compile(torch.device("cpu"), torch.bfloat16, False)
+    else:
+        with pytest.raises(CompileUnavailable, match="bf16 on CPUs that compute it natively"):
+            check_can_compile(torch.device("cpu"), torch.bfloat16, False)
 
 
 def test_without_a_compiler_it_says_so(monkeypatch):
