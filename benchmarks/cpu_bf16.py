@@ -8,14 +8,16 @@ engine decodes the same greedy requests (the tiny model's prompts, 64 tokens, ig
 - c=8: output tokens/s of 8 requests at once;
 - greedy agreement of bf16 with fp32: the share of requests whose 64 tokens are the same, and the
   mean share of tokens before the first that differs.
-Each precision's engine runs in a process of its own, as a server would (two engines in one process
+Each precision runs twice: on the TorchScript graph, and with its decode steps compiled
+(`compile_decode`, `_compiled` in the names; `--no-compile` leaves those out). Each engine runs in a
+process of its own, as a server would (two engines in one process
 would be two OpenMP teams, which libgomp throttles); both are loaded at once and measured in
 alternation for `--rounds` rounds (medians), each once the machine is quiet. GOMP_SPINCOUNT is
 taken from the environment and recorded (`serve` sets 1000 unless it is set). On a CPU without
 native bf16 the engine refuses bf16 weights packing (it would emulate), so the run
 writes why it was skipped instead.
 
-    python -m benchmarks.cpu_bf16 [--models llama-76m,tiny] [--rounds 3] [--threads N]
+    python -m benchmarks.cpu_bf16 [--models llama-76m,tiny] [--rounds 3] [--threads N] [--no-compile]
 """
 
 from __future__ import annotations
@@ -75,12 +77,14 @@ def agreement(fp32: list[list[int]], bf16: list[list[int]]) -> dict:
             "mean_agreeing_prefix": round(statistics.fmean(prefix(a, b) / len(a) for a, b in zip(fp32, bf16)), 3)}
 
 
-def engine_process(model_dir: Path, precision: str, threads: int | None, prompts: list[str], conn: Connection) -> None:
+def engine_process(model_dir: Path, precision: str, compiled: bool, threads: int | None, prompts: list[str],
+                   conn: Connection) -> None:
     """One engine in a process of its own, as a server runs it, measuring on each request of the
     pipe. Two engines in one process are two OpenMP teams: libgomp then counts more threads than
     cores and all but stops spinning between parallel regions, which slows both."""
     async def serve() -> None:
-        engine = TorchEngine(model_dir, precision=precision, max_num_seqs=8, max_model_len=512, cpu_threads=threads)
+        engine = TorchEngine(model_dir, precision=precision, max_num_seqs=8, max_model_len=512, cpu_threads=threads,
+                             compile_decode=compiled)
         await engine.start()
         conn.send(engine.cpu_threads)
         try:
@@ -92,21 +96,28 @@ def engine_process(model_dir: Path, precision: str, threads: int | None, prompts
     asyncio.run(serve())
 
 
-def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None) -> dict:
+def configs(compile_decode: bool) -> dict[str, tuple[str, bool]]:
+    """name: (precision, compile_decode)."""
+    plain = {"fp32": ("fp32", False), "bf16": ("bf16", False)}
+    return plain | ({"fp32_compiled": ("fp32", True), "bf16_compiled": ("bf16", True)} if compile_decode else {})
+
+
+def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None, compile_decode: bool) -> dict:
     prompts = [prompt for prompt, _ in memorised_pairs()[:PROMPTS]]
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = {}, []
-    for name in ("fp32", "bf16"):
+    for name, (precision, compiled) in configs(compile_decode).items():
         pipes[name], child = spawn.Pipe()
-        processes.append(spawn.Process(target=engine_process, args=(model_dir, name, threads, prompts, child),
-                                       daemon=True))
+        processes.append(spawn.Process(target=engine_process, daemon=True,
+                                       args=(model_dir, precision, compiled, threads, prompts, child)))
         processes[-1].start()
     try:
         used_threads = {name: pipe.recv() for name, pipe in pipes.items()}
         runs: dict[str, list[dict]] = {name: [] for name in pipes}
-        for turn in range(rounds + 1):  # the first round warms up, unmeasured
-            for name in (("fp32", "bf16") if turn % 2 else ("bf16", "fp32")):
-                settle()  # the other engine's threads have stopped spinning
+        names = list(pipes)
+        for turn in range(rounds + 1):  # the first round warms up, unmeasured; the order rotates
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                settle()  # the other engines' threads have stopped spinning
                 pipes[name].send(True)
                 result = pipes[name].recv()
                 if turn:
@@ -116,16 +127,27 @@ def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None)
             pipe.send(False)
         for process in processes:
             process.join(60)
-    out = {}
+    out: dict = {}
     for name, results in runs.items():
         rate = statistics.median(r["c1_decode_tok_s"] for r in results)
-        limit = bandwidth / decode_step_bytes(model_dir, 2 if name == "bf16" else 4, 8 + OUTPUT_TOKENS // 2)
+        element = 2 if name.startswith("bf16") else 4
+        limit = bandwidth / decode_step_bytes(model_dir, element, 8 + OUTPUT_TOKENS // 2)
         out[name] = {"c1_decode_tok_s": round(rate, 1), "c1_fraction_of_bandwidth_limit": round(rate / limit, 3),
                      "c8_output_tok_s": round(statistics.median(r["c8_output_tok_s"] for r in results), 1),
                      "threads": used_threads[name]}
-    out["bf16_over_fp32"] = {key: round(out["bf16"][key] / out["fp32"][key], 3)
-                             for key in ("c1_decode_tok_s", "c8_output_tok_s")}
-    out["greedy_agreement"] = agreement(runs["fp32"][0]["outputs"], runs["bf16"][0]["outputs"])
+    pairs = {"bf16_over_fp32": ("bf16", "fp32")}
+    if compile_decode:
+        pairs |= {"bf16_compiled_over_fp32_compiled": ("bf16_compiled", "fp32_compiled"),
+                  "bf16_compiled_over_fp32": ("bf16_compiled", "fp32"),
+                  "fp32_compiled_over_fp32": ("fp32_compiled", "fp32"),
+                  "bf16_compiled_over_bf16": ("bf16_compiled", "bf16")}
+    for label, (a, b) in pairs.items():
+        out[label] = {key: round(out[a][key] / out[b][key], 3) for key in ("c1_decode_tok_s", "c8_output_tok_s")}
+    first = {name: results[0]["outputs"] for name, results in runs.items()}
+    out["greedy_agreement"] = {"bf16_with_fp32": agreement(first["fp32"], first["bf16"])}
+    for precision in ("fp32", "bf16") if compile_decode else ():
+        out["greedy_agreement"][f"{precision}_compiled_with_graph"] = agreement(first[precision],
+                                                                                first[f"{precision}_compiled"])
     return out
 
 
@@ -134,6 +156,8 @@ def main() -> None:
     parser.add_argument("--models", default="llama-76m,tiny")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, help="the forward pass's threads (default: the engine's, NIM_CPU_THREADS)")
+    parser.add_argument("--no-compile", dest="compile_decode", action="store_false",
+                        help="leave out the compiled decode step's engines")
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args()
     if reason := native("bfloat16"):
@@ -146,7 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             model_dir = make_76m_llama(Path(tmp) / name) if name == "llama-76m" else ensure_tiny_model()
-            result["models"][name] = compare(model_dir, args.rounds, bandwidth, args.threads)
+            result["models"][name] = compare(model_dir, args.rounds, bandwidth, args.threads, args.compile_decode)
             print(name, result["models"][name], flush=True)
     print(f"wrote {write_result('cpu_bf16', result, args.out)}")
 

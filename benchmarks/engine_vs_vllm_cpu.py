@@ -14,7 +14,7 @@ server token counts:
   decode step reads (every weight but the embedding table, one row of which is gathered, and the
   KV cache at the run's mean context): their quotient bounds decode tokens/s, and each engine's
   c=1 decode rate (1 / inter-token latency) is reported as a fraction of that limit;
-- in fp32, the torch engine with its compiled decode step too (`torch_compiled`: a profile with
+- the torch engine with its compiled decode step too (`torch_compiled`: a profile with
   `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
   why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
@@ -129,10 +129,10 @@ def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtyp
     torch_configs = {"torch": ({}, manifest), "torch_no_prefix_cache": ({"NIM_ENABLE_KV_CACHE_REUSE": "0"}, manifest)}
     if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all below SPARE_CORE_FROM
         torch_configs["torch_all_cores"] = ({"NIM_CPU_THREADS": str(cpu_cores())}, manifest)
-    if precision == "fp32":  # the compiled decode step (service.engine.compiled_decode), its cache cold
-        compiled = manifest_file(model_dir, work / "compiled.json", precision, compile_decode=True)
-        torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")},
-                                           ["--manifest", str(compiled)])
+    # the compiled decode step (service.engine.compiled_decode), its cache cold
+    compiled = manifest_file(model_dir, work / "compiled.json", precision, compile_decode=True)
+    torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")},
+                                       ["--manifest", str(compiled)])
     urls, ready = {}, {}
     for name, (env, extra) in torch_configs.items():
         began = time.perf_counter()
