@@ -11,8 +11,8 @@ engine decodes the same greedy requests (the tiny model's prompts, 64 tokens, ig
 Each precision runs twice: on the TorchScript graph, and with its decode steps compiled
 (`compile_decode`, `_compiled` in the names; `--no-compile` leaves those out). Each engine runs in a
 process of its own, as a server would (two engines in one process
-would be two OpenMP teams, which libgomp throttles); both are loaded at once and measured in
-alternation for `--rounds` rounds (medians), each once the machine is quiet. GOMP_SPINCOUNT is
+would be two OpenMP teams, which libgomp throttles); all are loaded at once and measured in
+rotation for `--rounds` rounds (medians), each once the machine is quiet. GOMP_SPINCOUNT is
 taken from the environment and recorded (`serve` sets 1000 unless it is set). On a CPU without
 native bf16 the engine refuses bf16 weights packing (it would emulate), so the run
 writes why it was skipped instead.
@@ -106,7 +106,8 @@ def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None,
     prompts = [prompt for prompt, _ in memorised_pairs()[:PROMPTS]]
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = {}, []
-    for name, (precision, compiled) in configs(compile_decode).items():
+    engines = configs(compile_decode)
+    for name, (precision, compiled) in engines.items():
         pipes[name], child = spawn.Pipe()
         processes.append(spawn.Process(target=engine_process, daemon=True,
                                        args=(model_dir, precision, compiled, threads, prompts, child)))
@@ -130,7 +131,7 @@ def compare(model_dir: Path, rounds: int, bandwidth: float, threads: int | None,
     out: dict = {}
     for name, results in runs.items():
         rate = statistics.median(r["c1_decode_tok_s"] for r in results)
-        element = 2 if name.startswith("bf16") else 4
+        element = 2 if engines[name][0] == "bf16" else 4
         limit = bandwidth / decode_step_bytes(model_dir, element, 8 + OUTPUT_TOKENS // 2)
         out[name] = {"c1_decode_tok_s": round(rate, 1), "c1_fraction_of_bandwidth_limit": round(rate / limit, 3),
                      "c8_output_tok_s": round(statistics.median(r["c8_output_tok_s"] for r in results), 1),
