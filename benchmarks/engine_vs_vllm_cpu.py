@@ -47,7 +47,7 @@ from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spre
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
-from service.profiles import CPU_PRECISION_FLAGS, Hardware, cpu_cores, cpu_flags
+from service.profiles import CPU_PRECISION_FLAGS, cpu_computes, cpu_cores
 
 NAME = "tiny-llama"  # the served name on every server
 LEVELS = (1, 8)
@@ -257,7 +257,7 @@ def table(name: str, run: dict) -> str:
 def native(dtype: str) -> str | None:
     """None where the CPU computes `dtype` natively, else why not."""
     precision = PRECISIONS[dtype]
-    if Hardware(cpu_flags=cpu_flags()).cpu_runs(precision):
+    if cpu_computes(precision):
         return None
     return f"this CPU lacks {' and '.join(CPU_PRECISION_FLAGS[precision])}: {precision} is not native here"
 

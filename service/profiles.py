@@ -92,6 +92,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def cpu_computes(precision: str) -> bool:
+    """Whether this machine's CPU computes `precision` natively (fp32 always)."""
+    return Hardware(cpu_flags=cpu_flags()).cpu_runs(precision)
+
+
 def detect_hardware() -> Hardware:
     """The GPUs NVML reports that CUDA_VISIBLE_DEVICES leaves visible, and the CPU's features.
 

@@ -24,8 +24,8 @@ import shutil
 import torch
 import torch.nn.functional as F
 
-from service.engine.llama_graph import activation, rms_norm, rotate
-from service.profiles import Hardware, cpu_flags
+from service.engine.llama_graph import activation, in_order, layer_norms, rms_norm, rotate
+from service.profiles import cpu_computes
 
 # Inductor's options for the step: weights frozen as constants, which lets max-autotune choose its
 # C++ GEMM template (it packs the weights at compile time) where it times faster than aten's matmul
@@ -42,7 +42,7 @@ class CompileUnavailable(ValueError):
 def check_can_compile(device: torch.device, dtype: torch.dtype, dynamic_rope: bool) -> None:
     """bf16 only where the CPU computes it natively: inductor's bf16 GEMM template needs AVX512-BF16 or
     AMX (elsewhere bf16 is not a CPU profile at all)."""
-    bf16 = dtype == torch.bfloat16 and Hardware(cpu_flags=cpu_flags()).cpu_runs("bf16")
+    bf16 = dtype == torch.bfloat16 and cpu_computes("bf16")
     if device.type != "cpu" or not (dtype == torch.float32 or bf16):
         raise CompileUnavailable(f"compile_decode runs fp32 on CPU, and bf16 on CPUs that compute it natively "
                                  f"(AVX512-BF16 or AMX); this profile runs {dtype} on {device.type}")
@@ -60,13 +60,12 @@ class DecodeStep(torch.nn.Module):
     def __init__(self, runner, linears: list[dict]) -> None:
         super().__init__()
         frozen = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
-        order = [lin for layer in linears for lin in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+        order = in_order(linears)
         self.weights = torch.nn.ParameterList([frozen(lin.weight) for lin in order])
         self.biases = torch.nn.ParameterDict({str(i): frozen(lin.bias) for i, lin in enumerate(order)
                                               if lin.bias is not None})
         model = runner.model
-        self.norms = torch.nn.ParameterList([frozen(w) for layer in runner.layers
-                                             for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)])
+        self.norms = torch.nn.ParameterList([frozen(w) for w in layer_norms(model)])
         self.embed, self.final_norm = frozen(model.model.embed_tokens.weight), frozen(model.model.norm.weight)
         self.lm_weight = frozen(model.lm_head.weight)
         if model.lm_head.bias is not None:
@@ -165,8 +164,7 @@ class CompiledDecode:
         weights, once a step run with them overwritten by NaN gave the same logits (the compiled
         code holds its own copies). The writes go to block 0, zeroed again before it is handed out."""
         def probe() -> torch.Tensor:  # its position 20 shares a row with position 4: block 0 zeroed first
-            self.runner.zeroed = 0
-            self.runner._zero_new_blocks(1)
+            self.runner.rezero(1)
             with torch.inference_mode():
                 return self([([1], [0] * 4, 20)])
 
@@ -180,5 +178,5 @@ class CompiledDecode:
                                "own frozen copies; use a profile without compile_decode")
         for weight in self.module.weights:
             weight.untyped_storage().resize_(0)
-        self.runner.zeroed = 0
+        self.runner.rezero()
         self.steps, self.ready = 0, True

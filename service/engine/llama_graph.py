@@ -65,6 +65,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def in_order(linears: list[dict]) -> list:
+    """Each layer's fused projections in the order the forward passes index them: qkv, o, gate_up, down."""
+    return [linear_ for layer in linears for linear_ in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+
+
+def layer_norms(model) -> list[torch.Tensor]:
+    """Each layer's input and post-attention norm weights, in that order."""
+    return [w for layer in model.model.layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+
+
 class LlamaGraph(torch.nn.Module):
     """The decoder over a paged KV cache; `torch.jit.script` it (see LlamaRunner)."""
 
@@ -83,12 +93,12 @@ class LlamaGraph(torch.nn.Module):
                  lora: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])) -> None:
         super().__init__()
         self.lora_a, self.lora_b, self.lora_columns = lora
-        order = [linear_ for layer in linears for linear_ in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+        order = in_order(linears)
         self.weights = [linear_.weight for linear_ in order]
         self.biases = [linear_.bias for linear_ in order]
         self.packed = [linear_.packed for linear_ in order]
         layers = model.model.layers
-        self.norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self.norms = layer_norms(model)
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from service.engine.compiled_decode import CompiledDecode, check_can_compile
 from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
 from service.engine.lora import LoraPool
-from service.profiles import Hardware, cpu_flags
+from service.profiles import cpu_computes
 
 log = logging.getLogger(__name__)
 # Architectures whose decoder layers have exactly Llama's structure (q/k/v/o projections, RMSNorm
@@ -175,6 +175,12 @@ class LlamaRunner:
             self.values[:, first:end].zero_()
             self.zeroed = upto
 
+    def rezero(self, upto: int = 0) -> None:
+        """Zero the blocks below `upto` again and treat the rest as never handed out: for a warm-up
+        that wrote into blocks no sequence holds yet."""
+        self.zeroed = 0
+        self._zero_new_blocks(upto)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, target): a choice forked off a prompt gets its last block."""
         if not pairs:
@@ -191,7 +197,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     CPU computes bf16 natively (emulated, packed bf16 was 4x slower than unpacked here)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and Hardware(cpu_flags=cpu_flags()).cpu_runs("bf16"))
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes("bf16"))
 
 
 class Linear:

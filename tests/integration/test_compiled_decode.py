@@ -14,7 +14,7 @@ from openai import OpenAI
 from service.engine.torch_engine import TorchEngine
 from service.launcher import ServerProcess
 from service.manifest import default_manifest
-from service.profiles import Hardware, cpu_flags
+from service.profiles import cpu_computes
 from tests.integration.test_batching import collect, varied_requests
 
 pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
@@ -72,7 +72,7 @@ def test_a_step_that_would_compile_again_raises_and_the_graph_takes_over(engines
     step.ready = True  # the module's engine is shared: back as it was
 
 
-@pytest.mark.skipif(not Hardware(cpu_flags=cpu_flags()).cpu_runs("bf16"),
+@pytest.mark.skipif(not cpu_computes("bf16"),
                     reason="this CPU does not compute bf16 natively (AVX512-BF16 or AMX)")
 def test_bf16_decodes_compiled_with_the_graphs_greedy_tokens(tiny_model_dir):
     """bf16 weights and KV cache: inductor's kernels and oneDNN's round differently, yet on the

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine import compiled_decode
+from service import profiles
 from service.engine.compiled_decode import CompileUnavailable, DecodeStep, check_can_compile
 from service.engine.llama_runner import LlamaRunner
 
@@ -45,7 +46,7 @@ def test_where_it_cannot_run_it_says_why(device, dtype, dynamic, words):
 @pytest.mark.parametrize("flags,allowed", [({"avx2", "avx512f"}, False), ({"avx512f", "avx512_bf16"}, True),
                                            ({"amx_tile", "amx_bf16"}, True)])
 def test_bf16_only_where_the_cpu_computes_it(monkeypatch, flags, allowed):
-    monkeypatch.setattr(compiled_decode, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(profiles, "cpu_flags", lambda: frozenset(flags))
     if allowed:
         check_can_compile(torch.device("cpu"), torch.bfloat16, False)
     else:
