@@ -15,6 +15,10 @@ inductor's copy of the weights (frozen, repacked) beside the oneDNN-packed one t
 The compiled step reads the KV cache and never writes it: written inside, inductor's functionalised
 in-place write copied the whole cache each step. The current token's key and value join the
 attention from registers, and the runner writes them to the cache after the step.
+
+Attention is torch's SDPA in fp32, whatever the weights: written out (einsum, softmax), inductor
+fused it into loops that took 250 us a layer at 70 tokens of context (76M shape, 2 cores; 2.5 ms
+of a 14 ms step), and SDPA took about 120 us in fp32 and 270 us in bf16 (about 50 us upcast).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class DecodeStep(torch.nn.Module):
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = (tables.index_select(1, span // self.block_size) * self.block_size + span % self.block_size).flatten()
         current = (span.view(1, length) == positions.view(batch, 1)).view(batch, length, 1, 1)
-        hidden_keys = (span.view(1, length) > positions.view(batch, 1)).view(batch, 1, 1, length)
+        visible = (span.view(1, length) <= positions.view(batch, 1)).view(batch, 1, 1, length)
         cos, sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
         hidden = F.embedding(ids, self.embed)
         new_keys, new_values = [], []
@@ -104,10 +108,10 @@ class DecodeStep(torch.nn.Module):
             cached_v = values[index].index_select(0, rows).view(batch, length, kv_heads, head_dim)
             all_k = torch.where(current, k.unsqueeze(1), cached_k)
             all_v = torch.where(current, v.unsqueeze(1), cached_v)
-            grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-            scores = torch.einsum("bkgd,blkd->bkgl", grouped, all_k) * self.scaling
-            weights = torch.softmax(scores.masked_fill(hidden_keys, float("-inf")), dim=-1)
-            out = torch.einsum("bkgl,blkd->bkgd", weights, all_v).reshape(batch, heads * head_dim)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), all_k.transpose(1, 2).float(),
+                                                 all_v.transpose(1, 2).float(), attn_mask=visible, scale=self.scaling,
+                                                 enable_gqa=heads != kv_heads)
+            out = out.to(hidden.dtype).reshape(batch, heads * head_dim)
             hidden = hidden + self._linear(out, str(w + 1), self.weights[w + 1])
             gate, up = self._linear(rms_norm(hidden, self.norms[2 * index + 1], self.eps), str(w + 2),
                                     self.weights[w + 2]).chunk(2, dim=-1)
