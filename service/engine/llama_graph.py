@@ -86,6 +86,10 @@ class LlamaGraph(torch.nn.Module):
     lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [in, slots*k*R] (service.engine.lora)
     lora_b: List[torch.Tensor]  # [slots*k*R, out]; empty lists: no adapters
     lora_columns: List[torch.Tensor]  # per fused projection kind: the slot of each column of A
+    # Decode attention (one query a sequence) in fp32 for bf16/fp16 weights on CPU: torch's CPU SDPA
+    # of one query row in bf16 took about 3x as long as converting its inputs and running it in
+    # fp32 (8 sequences of 80 tokens, 2 cores); prompt chunks were as fast or faster in bf16.
+    upcast_decodes: bool
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
@@ -106,6 +110,7 @@ class LlamaGraph(torch.nn.Module):
         self.keys, self.values = keys, values
         self.cos_table, self.sin_table = rope_table
         self.act = model.config.hidden_act
+        self.upcast_decodes = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
         self.block_size, self.num_layers = block_size, len(layers)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
 
@@ -179,13 +184,15 @@ class LlamaGraph(torch.nn.Module):
             values.index_copy_(0, written, v.view(tokens, kv_heads, head_dim))
             outs: List[torch.Tensor] = []
             for first, count, width, rows, mask, causal in attention:
+                q = qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2)
                 # [count, kv_heads, end, head_dim], gathered through the block tables
-                out = F.scaled_dot_product_attention(
-                    qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2),
-                    keys.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2),
-                    values.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2),
-                    attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True)
-                outs.append(out.transpose(1, 2).reshape(count * width, q_size))
+                k = keys.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2)
+                v = values.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2)
+                if width == 1 and self.upcast_decodes:
+                    q, k, v = q.float(), k.float(), v.float()
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                                     enable_gqa=True)
+                outs.append(out.transpose(1, 2).reshape(count * width, q_size).to(hidden.dtype))
             hidden = hidden + self._project(outs[0] if len(outs) == 1 else torch.cat(outs), w + 1, masks)
             x = rms_norm(hidden, self.norms[2 * index + 1], self.eps)
             gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
