@@ -88,7 +88,8 @@ class LlamaGraph(torch.nn.Module):
     lora_columns: List[torch.Tensor]  # per fused projection kind: the slot of each column of A
     # Decode attention (one query a sequence) in fp32 for bf16/fp16 weights on CPU: torch's CPU SDPA
     # of one query row in bf16 took about 3x as long as converting its inputs and running it in
-    # fp32 (8 sequences of 80 tokens, 2 cores); prompt chunks were as fast or faster in bf16.
+    # fp32 (8 sequences of 80 tokens, 2 cores); prompt chunks were as fast or faster in bf16. fp16
+    # takes the same path unmeasured (upcasting loses nothing).
     upcast_decodes: bool
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,

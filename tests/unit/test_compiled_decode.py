@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.engine import compiled_decode
 from service import profiles
+from service.engine import compiled_decode
 from service.engine.compiled_decode import CompileUnavailable, DecodeStep, check_can_compile
 from service.engine.llama_runner import LlamaRunner
 
