@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -91,8 +92,10 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
     """One AIPerf run of completions at concurrency `level`, streamed, counting the server's tokens:
     synthetic prompts of `prompt_tokens` (after a shared prefix of `prefix_tokens`), or the prompts
     of `dataset` (AIPerf's single_turn JSONL); sampled at the server's default temperature unless
-    `greedy`. Returns output tok/s, TTFT p50 and inter-token latency p50 (ms), and the mean tokens
-    in and out. A failed request fails the measurement: the statistics of the others would hide it."""
+    `greedy`. Returns output tok/s, TTFT p50 and inter-token latency p50 (ms), the mean tokens in
+    and out, and the share of the machine's cores AIPerf's own processes took while it ran (on a
+    small machine the client competes with the server it measures). A failed request fails the
+    measurement: the statistics of the others would hide it."""
     command = [str(AIPERF), "profile", "--model", name, "--url", url, "--endpoint-type", "completions", "--streaming",
                "--concurrency", str(level), "--request-count", str(requests), "--use-server-token-count",
                "--tokenizer", str(tokenizer), "--random-seed", "0", "--artifact-dir", str(out), "--ui-type", "none",
@@ -108,7 +111,10 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
     if prefix_tokens:
         command += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(prefix_tokens)]
     command += ["--extra-inputs", *extra] if extra else []
+    before, began = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - began
+    client_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     export = out / "profile_export_aiperf.json"
     if run.returncode != 0 or not export.is_file():
         raise RuntimeError(f"AIPerf failed against {url} at c={level}: {(run.stdout + run.stderr)[-2000:]}")
@@ -119,7 +125,8 @@ def aiperf(url: str, name: str, tokenizer: Path, level: int, requests: int, out:
             "ttft_p50_ms": round(data["time_to_first_token"]["p50"], 2),
             "itl_p50_ms": round(data["inter_token_latency"]["p50"], 3),
             "prompt_tokens": round(data["input_sequence_length"]["avg"]),
-            "output_tokens": round(data["output_sequence_length"]["avg"], 1)}
+            "output_tokens": round(data["output_sequence_length"]["avg"], 1),
+            "client_cpu_share": round(client_cpu / (wall * cpu_cores()), 3)}
 
 
 # The ~76M-parameter Llama shape the engine benchmarks measure (head_dim 64; LlamaConfig's arguments).

@@ -18,6 +18,10 @@ server token counts:
   `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
   why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
+  on the 76M shape below SPARE_CORE_FROM cores, where the default takes every core, the compiled
+  engine with one core left to the HTTP side and the client too (`torch_compiled_spare_core`);
+- the share of the machine's cores AIPerf itself took at each level (the client runs on the same
+  cores as the server it measures);
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
 
 All configurations run at once, each idle while another is measured, for `--rounds` rounds; in each
@@ -47,7 +51,7 @@ from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spre
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
-from service.profiles import CPU_PRECISION_FLAGS, cpu_computes, cpu_cores
+from service.profiles import CPU_PRECISION_FLAGS, SPARE_CORE_FROM, cpu_computes, cpu_cores
 
 NAME = "tiny-llama"  # the served name on every server
 LEVELS = (1, 8)
@@ -133,6 +137,10 @@ def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtyp
     compiled = manifest_file(model_dir, work / "compiled.json", precision, compile_decode=True)
     torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")},
                                        ["--manifest", str(compiled)])
+    if not tiny and cpu_cores() < SPARE_CORE_FROM:  # where the default takes every core: one left to the rest
+        torch_configs["torch_compiled_spare_core"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
+                                                       "NIM_CPU_THREADS": str(max(1, cpu_cores() - 1))},
+                                                      ["--manifest", str(compiled)])
     urls, ready = {}, {}
     for name, (env, extra) in torch_configs.items():
         began = time.perf_counter()
@@ -242,6 +250,9 @@ def table(name: str, run: dict) -> str:
                       f"{ratio(ratios[f'ttft_p50_{config}_over_vllm'][level])}") if config != "vllm" else "-  -"
             lines.append(f"{config}  {level}  {run_['output_tok_s']:.1f}  {run_['ttft_p50_ms']:.1f}  "
                          f"{run_['itl_p50_ms']:.2f}  {versus}")
+    lines.append("AIPerf's own share of the cores, c=" + ", c=".join(
+        f"{level}: {statistics.median(by_level[level]['client_cpu_share'] for by_level in levels.values()):.0%}"
+        for level in LEVELS))
     shared = run["shared_prefix_c4"]
     lines.append(f"shared {PREFIX_TOKENS}-token prefix, c={PREFIX_LEVEL}: TTFT p50 torch {shared['torch']['ttft_p50_ms']:.1f} "
                  f"ms, no prefix cache {shared['torch_no_prefix_cache']['ttft_p50_ms']:.1f} ms, vllm "
