@@ -19,7 +19,8 @@ server token counts:
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
   why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
   on the 76M shape below SPARE_CORE_FROM cores, where the default takes every core, the compiled
-  engine with one core left to the HTTP side and the client too (`torch_compiled_spare_core`);
+  engine with one core left to the HTTP side and the client too (`torch_compiled_spare_core`; it
+  starts from the inductor cache `torch_compiled` filled, so its start-up time is a warm one);
 - the share of the machine's cores AIPerf itself took at each level (the client runs on the same
   cores as the server it measures);
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
