@@ -73,12 +73,12 @@ def docker_client():
         raise StackError("no Docker Engine is running; start dockerd as root (sudo dockerd &) and try again")
     log = state_dir() / "logs" / "dockerd.log"
     _start([dockerd, "--host", f"unix://{DOCKER_SOCKET}"], log)
-    _wait(lambda: _docker_ping(), "dockerd", 60, log)
+    _wait(docker_up, "dockerd", 60, log)
     client = docker.from_env()
     return client
 
 
-def _docker_ping() -> bool:
+def docker_up() -> bool:
     import docker
 
     try:

@@ -14,8 +14,45 @@ import uvicorn
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from factory.stack import docker_up
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess, free_port
+
+
+@pytest.fixture(scope="session", autouse=True)
+def images_built_are_removed() -> Iterator[None]:
+    """CI runs on a long-lived machine, and one run builds some 20 images (1.7 to 8 GB each):
+    without this, their layers fill its disk within a few runs."""
+    started = int(time.time())
+    yield
+    if docker_up():
+        remove_images_built_since(started)
+
+
+def remove_images_built_since(started: int) -> None:
+    """Removes the images built since `started`, and the base images this checkout's replace, but
+    keeps this checkout's base images (the Debian base and each flavor's runtime): the factory
+    reuses them, so the next run on this machine need not build them again."""
+    import docker
+
+    from factory.image.context import runtime_reference
+    from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
+
+    current = {DEBIAN_BASE_IMAGE, *map(runtime_reference, FLAVORS.values())}
+    current_repositories = {reference.rsplit(":", 1)[0] for reference in current}
+    api = docker.from_env().api
+    # newest first, so that an image goes before the image it was built on
+    for image in sorted(api.images(), key=lambda image: image["Created"], reverse=True):
+        tags = set(image.get("RepoTags") or ())
+        if tags & current:
+            continue
+        built_here = image["Created"] >= started
+        replaced = any(tag.rsplit(":", 1)[0] in current_repositories for tag in tags)
+        if built_here or replaced:
+            try:
+                api.remove_image(image["Id"], force=built_here)
+            except docker.errors.APIError:  # a container or a newer image still uses it
+                pass
 
 
 @pytest.fixture(scope="session")
