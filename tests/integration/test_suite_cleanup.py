@@ -9,6 +9,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.slow  # needs a Docker Engine
+
 from factory.image.context import runtime_reference
 from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 from factory.stack import docker_client
