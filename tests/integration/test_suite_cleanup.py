@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 
-pytestmark = pytest.mark.slow  # needs a Docker Engine
-
 from factory.image.context import runtime_reference
 from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 from factory.stack import docker_client
 from tests.conftest import remove_images_built_since
+
+pytestmark = pytest.mark.slow  # needs a Docker Engine
 
 
 def build(client, tag: str) -> str:
