@@ -14,7 +14,7 @@ import uvicorn
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from factory.stack import docker_up
+from factory.stack import docker_up, stack_up
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess, free_port
 
@@ -53,6 +53,14 @@ def remove_images_built_since(started: int) -> None:
                 api.remove_image(image["Id"], force=built_here)
             except docker.errors.APIError:  # a container or a newer image still uses it
                 pass
+
+
+@pytest.fixture(scope="session")
+def local_stack() -> dict[str, str]:
+    """The machine's stack (dockerd, the registry at 127.0.0.1:5000, helm), started before any test
+    points INFERKILN_HOME at a catalog of its own: started under it, the machine's registry would keep
+    its data in that test's temporary directory, and serve on from there after pytest removed it."""
+    return stack_up()
 
 
 @pytest.fixture(scope="session")

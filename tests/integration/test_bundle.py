@@ -22,7 +22,7 @@ from factory.pipeline.runner import RunSettings, Runner
 from factory.release import catalog
 from factory.release.bundle import export_bundle, import_bundle
 from factory.release.publish import publish
-from factory.stack import REGISTRY_CONFIG, registry_up, stack_up
+from factory.stack import REGISTRY_CONFIG, registry_up
 from factory.verify.result import Gate, TestReport
 from service.launcher import free_port
 from service.oci import Ref, get_manifest, referrers
@@ -57,11 +57,11 @@ def stop(process: subprocess.Popen, address: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_release_moves_into_an_air_gapped_registry_and_serves_from_it(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_release_moves_into_an_air_gapped_registry_and_serves_from_it(local_stack, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
     import docker
 
     monkeypatch.setenv("INFERKILN_HOME", str(tmp_path / "home"))  # a catalog of this test's own
-    stack_up()
     client = docker.from_env()
     private, public = key_pair(tmp_path)
     with registry_at(tmp_path / "a") as (first, first_process), registry_at(tmp_path / "b") as (second, _):

@@ -26,7 +26,7 @@ from factory.image.lock import locked_versions
 from factory.pipeline.runner import RunSettings, Runner
 from factory.release import catalog
 from factory.release.publish import PublishError, publish
-from factory.stack import REGISTRY, stack_up
+from factory.stack import REGISTRY
 from factory.verify.container import start_model
 from factory.verify.result import Gate, TestReport
 from factory.tinymodel import memorised_pairs
@@ -44,7 +44,7 @@ def progress(_: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
+def home(local_stack, tmp_path_factory):
     """A catalog of the tests' own (the registry and images are shared with the machine)."""
     path = tmp_path_factory.mktemp("inferkiln-home")
     old = os.environ.get("INFERKILN_HOME")
@@ -60,7 +60,6 @@ def home(tmp_path_factory):
 def client(home):
     import docker
 
-    stack_up()
     return docker.from_env()
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from factory.pipeline.runner import RunSettings, Runner
 from factory.spec import SpecError, load_spec
-from factory.stack import REGISTRY, stack_up
+from factory.stack import REGISTRY
 from factory.tinymodel.adapter import ensure_tiny_adapter, random_adapter
 from factory.verify.container import start_model
 from service import image_contract as contract
@@ -35,12 +35,11 @@ def lora_spec(directory: Path, model_dir: Path, adapter_dir: Path, **adapter) ->
     return path
 
 
-def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are_served(tiny_model_dir, tmp_path,
-                                                                                       monkeypatch):
+def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are_served(local_stack, tiny_model_dir,
+                                                                                       tmp_path, monkeypatch):
     import docker
 
     monkeypatch.setenv("INFERKILN_HOME", str(tmp_path / "home"))  # a catalog of the test's own
-    stack_up()
     client = docker.from_env()
     runner = Runner(lora_spec(tmp_path, tiny_model_dir, ensure_tiny_adapter("tiny-lora")),
                     RunSettings(registry=REGISTRY, report_dir=tmp_path / "report"))

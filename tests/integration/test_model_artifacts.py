@@ -227,12 +227,10 @@ resources: {{gpus: 0, cpu: "2", memory: 4Gi}}
 
 
 @pytest.mark.slow
-def test_a_model_free_image_serves_through_its_charts_init_container(repo, tiny_model_dir, keys, tmp_path):
+def test_a_model_free_image_serves_through_its_charts_init_container(local_stack, repo, tiny_model_dir, keys,
+                                                                      tmp_path):
     """`bake: false`: the image holds no weights; the chart's init container pulls and verifies them
     into the cache the server mounts. Weights altered under the same tag and not re-signed never serve."""
-    from factory.stack import stack_up
-
-    stack_up()
     private, public = keys
     pinned = push_model(tiny_model_dir, repo, "tiny").ref
     sign_artifact(pinned, private)

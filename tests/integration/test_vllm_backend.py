@@ -23,7 +23,7 @@ from openai import APIStatusError, OpenAI
 
 from factory.pipeline.runner import RunSettings, Runner
 from factory.spec import AccuracyTask
-from factory.stack import REGISTRY, stack_up
+from factory.stack import REGISTRY
 from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
 from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter, random_adapter
 from factory.verify.container import POD_LIKE, start_model, start_vllms_own_server
@@ -49,15 +49,14 @@ def spec_for(directory: Path, model_dir: Path, sample: str = "tiny-llama-vllm.ya
 
 
 @pytest.fixture(scope="module")
-def docker_client():
+def docker_client(local_stack):
     import docker
 
-    stack_up()
     return docker.from_env()
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
+def home(local_stack, tmp_path_factory):
     """A catalog of the tests' own (the registry and images are shared with the machine)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("INFERKILN_HOME", str(tmp_path_factory.mktemp("inferkiln-home")))
