@@ -29,16 +29,20 @@ def images_built_are_removed() -> Iterator[None]:
         remove_images_built_since(started)
 
 
-def remove_images_built_since(started: int) -> None:
-    """Removes the images built since `started`, and the base images this checkout's replace, but
-    keeps this checkout's base images (the Debian base and each flavor's runtime): the factory
-    reuses them, so the next run on this machine need not build them again."""
-    import docker
-
+def current_base_images() -> set[str]:
+    """This checkout's base images, the Debian base and each flavor's runtime: the factory reuses them."""
     from factory.image.context import runtime_reference
     from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 
-    current = {DEBIAN_BASE_IMAGE, *map(runtime_reference, FLAVORS.values())}
+    return {DEBIAN_BASE_IMAGE, *map(runtime_reference, FLAVORS.values())}
+
+
+def remove_images_built_since(started: int) -> None:
+    """Removes the images built since `started`, and the base images this checkout's replace, but
+    keeps this checkout's own, so the next run on this machine need not build them again."""
+    import docker
+
+    current = current_base_images()
     current_repositories = {reference.rsplit(":", 1)[0] for reference in current}
     api = docker.from_env().api
     # newest first, so that an image goes before the image it was built on

@@ -9,10 +9,8 @@ import uuid
 
 import pytest
 
-from factory.image.context import runtime_reference
-from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 from factory.stack import docker_client
-from tests.conftest import remove_images_built_since
+from tests.conftest import current_base_images, remove_images_built_since
 
 pytestmark = pytest.mark.slow  # needs a Docker Engine
 
@@ -35,8 +33,7 @@ def client():
 
 def test_a_run_removes_what_it_built_and_replaced_base_images_only(client):
     unique = uuid.uuid4().hex[:8]
-    current = {DEBIAN_BASE_IMAGE, *map(runtime_reference, FLAVORS.values())}
-    bases = {tag for image in client.images.list() for tag in image.tags} & current
+    bases = {tag for image in client.images.list() for tag in image.tags} & current_base_images()
     before = build(client, f"inferkiln-suite-test/before:{unique}")
     stale_runtime = build(client, f"inferkiln/runtime-cpu:stale-{unique}")
     time.sleep(1.1)  # image creation times are whole seconds
