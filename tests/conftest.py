@@ -67,6 +67,16 @@ def local_stack() -> dict[str, str]:
     return stack_up()
 
 
+@pytest.fixture(scope="module")
+def own_catalog(local_stack, tmp_path_factory) -> Iterator[Path]:
+    """INFERKILN_HOME at a catalog of the module's own, for the module's tests; the registry and the
+    images stay the machine's (`local_stack` is up first)."""
+    path = tmp_path_factory.mktemp("inferkiln-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("INFERKILN_HOME", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """Trained once per machine (about 40 s), then reused from the cache."""

@@ -44,20 +44,7 @@ def progress(_: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def home(local_stack, tmp_path_factory):
-    """A catalog of the tests' own (the registry and images are shared with the machine)."""
-    path = tmp_path_factory.mktemp("inferkiln-home")
-    old = os.environ.get("INFERKILN_HOME")
-    os.environ["INFERKILN_HOME"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("INFERKILN_HOME")
-    else:
-        os.environ["INFERKILN_HOME"] = old
-
-
-@pytest.fixture(scope="module")
-def client(home):
+def client(own_catalog):
     import docker
 
     return docker.from_env()
@@ -370,7 +357,7 @@ def test_a_failing_stage_fails_alike_through_the_cli_a_pipeline_and_the_demo(cli
     assert all("Traceback" not in run.stderr for run in runs.values())
 
 
-def test_demo_runs_the_whole_path_and_publishes_an_sbom(client, home, tmp_path):
+def test_demo_runs_the_whole_path_and_publishes_an_sbom(client, tmp_path):
     result = run_cli("demo", "--no-keep")
     assert result.returncode == 0, result.stderr[-3000:]
     report = next(line.split("report: ", 1)[1] for line in result.stdout.splitlines() if line.startswith("report: "))

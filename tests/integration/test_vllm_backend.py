@@ -56,14 +56,6 @@ def docker_client(local_stack):
 
 
 @pytest.fixture(scope="module")
-def home(local_stack, tmp_path_factory):
-    """A catalog of the tests' own (the registry and images are shared with the machine)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("INFERKILN_HOME", str(tmp_path_factory.mktemp("inferkiln-home")))
-        yield
-
-
-@pytest.fixture(scope="module")
 def vllm_runner(tiny_model_dir, tmp_path_factory) -> Runner:
     return Runner(spec_for(tmp_path_factory.mktemp("vllm-spec"), tiny_model_dir), RunSettings(registry=REGISTRY))
 
@@ -289,7 +281,7 @@ def test_the_harness_passes_vllms_own_server(docker_client, vllm_image, tiny_mod
                                                           "(tests.accuracy.dataset, or --dataset)"}
 
 
-def test_the_vllm_spec_passes_its_tests_runs_as_a_chart_and_is_published(home, vllm_runner, vllm_image, tmp_path):
+def test_the_vllm_spec_passes_its_tests_runs_as_a_chart_and_is_published(own_catalog, vllm_runner, vllm_image, tmp_path):
     import oras.client
 
     report = vllm_runner.test()
