@@ -57,11 +57,9 @@ def stop(process: subprocess.Popen, address: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_release_moves_into_an_air_gapped_registry_and_serves_from_it(local_stack, tiny_model_dir, tmp_path,
-                                                                         monkeypatch):
+def test_a_release_moves_into_an_air_gapped_registry_and_serves_from_it(own_catalog, tiny_model_dir, tmp_path):
     import docker
 
-    monkeypatch.setenv("INFERKILN_HOME", str(tmp_path / "home"))  # a catalog of this test's own
     client = docker.from_env()
     private, public = key_pair(tmp_path)
     with registry_at(tmp_path / "a") as (first, first_process), registry_at(tmp_path / "b") as (second, _):

@@ -35,11 +35,10 @@ def lora_spec(directory: Path, model_dir: Path, adapter_dir: Path, **adapter) ->
     return path
 
 
-def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are_served(local_stack, tiny_model_dir,
-                                                                                       tmp_path, monkeypatch):
+def test_a_baked_adapter_is_served_and_gated_by_name_and_adapters_dropped_in_are_served(own_catalog, tiny_model_dir,
+                                                                                       tmp_path):
     import docker
 
-    monkeypatch.setenv("INFERKILN_HOME", str(tmp_path / "home"))  # a catalog of the test's own
     client = docker.from_env()
     runner = Runner(lora_spec(tmp_path, tiny_model_dir, ensure_tiny_adapter("tiny-lora")),
                     RunSettings(registry=REGISTRY, report_dir=tmp_path / "report"))
