@@ -33,14 +33,21 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "setup: installing $TORCH_SPEC" >&2
     .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
 fi
+# The rest through uv (a factory dependency, installed first): it resolves and installs the ~180
+# packages in under a minute where pip takes five on 2 cores. uv reads no pip.conf: a private index
+# is given to it as UV_INDEX_URL (or UV_EXTRA_INDEX_URL, UV_FIND_LINKS).
+if [ ! -x .venv/bin/uv ]; then
+    .venv/bin/pip install --quiet --disable-pip-version-check uv
+fi
+uv_install() { .venv/bin/uv pip install --quiet --python "$@"; }
 stamp=.venv/.inferkiln-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "setup: installing inferkiln and its dependencies" >&2
-    .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+    uv_install .venv/bin/python -e '.[dev]'
     # xgrammar declares Triton for its CUDA kernel only; the CPU image leaves it out (its lock's
     # no-emit), and so does this environment: transformers imports an installed Triton with every
     # model, whose bindings then print reference-leak warnings into the runtime's JSON log at exit.
-    .venv/bin/pip uninstall --quiet --yes triton 2>/dev/null || true
+    .venv/bin/uv pip uninstall --quiet --python .venv/bin/python triton 2>/dev/null || true
     touch "$stamp"
 fi
 # NVIDIA AIPerf, in a virtual environment of its own (its pins would move the factory's): the tests
@@ -49,7 +56,7 @@ AIPERF_SPEC=aiperf==0.13.0
 if ! .venv-aiperf/bin/python -c "import aiperf" 2>/dev/null; then
     echo "setup: installing $AIPERF_SPEC into .venv-aiperf" >&2
     "$PYTHON" -m venv .venv-aiperf
-    .venv-aiperf/bin/pip install --quiet --disable-pip-version-check "$AIPERF_SPEC"
+    uv_install .venv-aiperf/bin/python "$AIPERF_SPEC"
 fi
 # Schemathesis, likewise in its own environment (its pins are its own): the suite fuzzes both
 # runtimes with its CLI, from the OpenAPI document they serve.
@@ -57,5 +64,5 @@ SCHEMATHESIS_SPEC=schemathesis==4.32.5
 if ! .venv-schemathesis/bin/st --version >/dev/null 2>&1; then
     echo "setup: installing $SCHEMATHESIS_SPEC into .venv-schemathesis" >&2
     "$PYTHON" -m venv .venv-schemathesis
-    .venv-schemathesis/bin/pip install --quiet --disable-pip-version-check "$SCHEMATHESIS_SPEC"
+    uv_install .venv-schemathesis/bin/python "$SCHEMATHESIS_SPEC"
 fi
