@@ -64,7 +64,7 @@ def runtime_dockerfile(flavor: Flavor) -> str:
     return templates().get_template("runtime.Dockerfile.j2").render(
         base_image=flavor.base_image, uid=contract.UID, port=contract.PORT, home=contract.HOME, venv=contract.VENV,
         site_packages=site_packages(flavor), prune=flavor.prune, links=flavor.links,
-        driver_stub=flavor.driver_stub,
+        driver_stub=flavor.driver_stub, vllm="vllm" in flavor.engines,
         app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
         manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
         env=contract.image_env() | gpu_env(flavor))

@@ -252,6 +252,7 @@ def serve(settings: Settings, selection: Selection) -> int:
     directory) named in the environment; the runtime's secrets leave the environment, so vLLM's
     engine processes never hold them."""
     from service import vllm_contract
+    from service.engine import vllm_modelinfo
     from service.runtime import adapter_registry, make_engine
 
     served_name = selection.served_name(settings)
@@ -269,6 +270,7 @@ def serve(settings: Settings, selection: Selection) -> int:
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     _adopt_orphans()
+    vllm_modelinfo.seed()
     log.info("serving with vLLM: %s", engine.describe())
     try:
         with json_lines_for_raw_output() if settings.jsonl_logging else contextlib.nullcontext():

@@ -30,6 +30,8 @@ RUN python3 -m venv /opt/nim/venv \
  && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
+RUN VLLM_NO_USAGE_STATS=1 PYTHONPATH=/opt/nim/app /opt/nim/venv/bin/python -m service.engine.vllm_modelinfo \
+ && rm -rf /tmp/torchinductor_root
 ENV PATH="/opt/nim/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENV PYTHONPATH="/opt/nim/app"
 ENV HOME="/opt/nim"

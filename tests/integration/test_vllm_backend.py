@@ -178,6 +178,29 @@ def test_features_of_the_engine_pass_through(oai, served, tokenizer):
     assert 400 <= refused.value.status_code < 500
 
 
+INSPECTED_AT_BUILD = """
+import json, os
+from unittest import mock
+from vllm import envs
+from vllm.model_executor.models import registry
+def refuse(fn):
+    raise AssertionError("vLLM inspected the model class in a subprocess")
+with mock.patch.object(registry, "_run_in_subprocess", refuse):
+    info = registry.ModelRegistry.models["LlamaForCausalLM"].inspect_model_cls()
+print(json.dumps([info.is_text_generation_model, len(os.listdir(envs.VLLM_CACHE_ROOT + "/modelinfos"))]))
+"""
+
+
+def test_the_model_class_was_inspected_when_the_image_was_built(served):
+    """The runtime seeds vLLM's cache volume with the image's model-class inspection
+    (service/engine/vllm_modelinfo.py), and vLLM takes it as valid: no inspecting subprocess
+    re-imports torch and vLLM at start-up, as it would with the empty cache a pod starts with."""
+    result = served.container.exec_run(["python", "-c", INSPECTED_AT_BUILD])
+    assert result.exit_code == 0, result.output.decode()[-3000:]
+    generates, cached = json.loads(result.output.decode().strip().splitlines()[-1])
+    assert generates and cached > 100, cached  # vLLM alone would have cached this model's class only
+
+
 def test_a_disconnect_aborts_the_request_in_vllm(served):
     """Had vLLM gone on, the request would have finished by length (ignore_eos); vLLM's count of those
     shows that it stopped instead. How many tokens it made first depends on the machine's load.
@@ -334,45 +357,17 @@ def ready(url: str) -> int | None:
         return None
 
 
-@pytest.fixture
-def supervised(docker_client, vllm_image):
-    container, url = start_supervised(docker_client, vllm_image)
+@pytest.fixture(scope="module")
+def bounded(docker_client, vllm_image):
+    """One request in flight, none waiting, JSON logs; the runtime as PID 1's child (`start_supervised`)."""
+    container, url = start_supervised(docker_client, vllm_image, env={
+        "NIM_MAX_NUM_SEQS": "1", "NIM_MAX_QUEUE": "0", "NIM_JSONL_LOGGING": "1"})
     wait_for(lambda: True if ready(url) == 200 else None, START_TIMEOUT_S, "readiness")
     yield container, url
     container.remove(force=True)
 
 
-def test_sigterm_drains_in_flight_requests_then_stops_vllm_and_exits_0(supervised):
-    container, url = supervised
-    runtime_pid = next(pid for pid, cmd in processes(container).items() if "-m service serve" in cmd)
-    body = {"model": MODEL, "prompt": "the", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
-        lines = stream.iter_lines()
-        next(lines)
-        container.exec_run(["/bin/sh", "-c", f"kill -TERM {runtime_pid}"])
-        [status] = wait_for(lambda: None if (code := ready(url)) == 200 else [code], 5, "readiness to turn")
-        # 503 from the runtime; through Docker's port proxy a new connection during the drain is
-        # sometimes dropped instead (None), which a probe also reads as not ready.
-        assert status in (503, None), "readiness must fail while the in-flight request drains"
-        events = [line for line in lines if line.startswith("data: ")]
-    finish = json.loads(events[-2][6:])["choices"][0]["finish_reason"]
-    assert events[-1] == "data: [DONE]" and finish == "length", "the in-flight request was cut short"
-    assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") == 0
-    assert processes(container) == {}, "processes outlived the runtime"
-
-
-def test_when_vllm_dies_readiness_fails_and_the_runtime_exits_non_zero(supervised):
-    container, url = supervised
-    engine = [pid for pid, cmd in processes(container).items() if cmd.startswith("VLLM::EngineCore")]
-    assert engine, f"no vLLM engine process beside the server: {processes(container)}"
-    container.exec_run(["/bin/sh", "-c", f"kill -KILL {engine[0]}"])
-    [status] = wait_for(lambda: None if (code := ready(url)) == 200 else [code], 30, "readiness to fail")
-    assert status in (503, None), status  # None: the runtime has already exited
-    assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") not in (None, 0)
-    assert processes(container) == {}, "vLLM processes outlived the runtime"
-
-
-def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(docker_client, vllm_image):
+def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(bounded):
     """NIM_MAX_NUM_SEQS=1 and NIM_MAX_QUEUE=0: of eight requests at once one is served and the others
     get 503 and Retry-After (vLLM's own bound, the contract's header); with NIM_JSONL_LOGGING=1 every
     line the container writes, vLLM's included, is one JSON object, with the request id where there is one.
@@ -381,35 +376,42 @@ def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(do
     sent while another runs is admitted only after that one ends, and finds the queue empty. The eight
     go out on connections opened beforehand, and a burst that all came in one by one is sent again
     (at most three): whether a burst fills the queue is timing, the 503s it then gets are the check."""
-    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S, env={
-        "NIM_MAX_NUM_SEQS": "1", "NIM_MAX_QUEUE": "0", "NIM_JSONL_LOGGING": "1"})
+    container, url = bounded
     body = {"model": MODEL, "prompt": "the", "max_tokens": 100, "ignore_eos": True}
 
     async def at_once(burst: int) -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            await asyncio.gather(*(client.get(f"{running.url}/v1/health/live") for _ in range(8)))
-            return list(await asyncio.gather(*(client.post(f"{running.url}/v1/completions", json=body,
+            await asyncio.gather(*(client.get(f"{url}/v1/health/live") for _ in range(8)))
+            return list(await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body,
                                                            headers={"X-Request-Id": f"at-once-{burst}-{i}"})
                                                for i in range(8))))
-    try:
-        for burst in range(3):
-            replies = asyncio.run(at_once(burst))
-            refused = [r for r in replies if r.status_code == 503]
-            assert len(refused) < 8 and all(r.status_code in (200, 503) for r in replies), [
-                r.status_code for r in replies]
-            if refused:
-                break
-        assert refused, "no burst of eight got a 503 with one request allowed in flight"
-        assert all(r.headers["retry-after"] == "1" and r.json()["error"]["message"] for r in refused)
-        lines = [json.loads(line) for line in running.container.logs().decode().splitlines() if line.strip()]
-        assert any(line["logger"].startswith("vllm.") for line in lines), "vLLM's own records"
-        ids = {r.headers["x-request-id"] for r in refused}
-        # the completions refused (the readiness polls before the model was ready are 503s of their own)
-        assert {line["request_id"] for line in lines
-                if line.get("status") == 503 and line.get("route") == "/v1/completions"} == ids
-    finally:
-        running.stop()
+    for burst in range(3):
+        replies = asyncio.run(at_once(burst))
+        refused = [r for r in replies if r.status_code == 503]
+        assert len(refused) < 8 and all(r.status_code in (200, 503) for r in replies), [
+            r.status_code for r in replies]
+        if refused:
+            break
+    assert refused, "no burst of eight got a 503 with one request allowed in flight"
+    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["message"] for r in refused)
+    lines = [json.loads(line) for line in container.logs().decode().splitlines() if line.strip()]
+    assert any(line["logger"].startswith("vllm.") for line in lines), "vLLM's own records"
+    ids = {r.headers["x-request-id"] for r in refused}
+    # the completions refused (the readiness polls before the model was ready are 503s of their own)
+    assert {line["request_id"] for line in lines
+            if line.get("status") == 503 and line.get("route") == "/v1/completions"} == ids
+
+
+def test_when_vllm_dies_readiness_fails_and_the_runtime_exits_non_zero(bounded):
+    container, url = bounded
+    engine = [pid for pid, cmd in processes(container).items() if cmd.startswith("VLLM::EngineCore")]
+    assert engine, f"no vLLM engine process beside the server: {processes(container)}"
+    container.exec_run(["/bin/sh", "-c", f"kill -KILL {engine[0]}"])
+    [status] = wait_for(lambda: None if (code := ready(url)) == 200 else [code], 30, "readiness to fail")
+    assert status in (503, None), status  # None: the runtime has already exited
+    assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") not in (None, 0)
+    assert processes(container) == {}, "vLLM processes outlived the runtime"
 
 
 def test_two_api_server_processes_keep_the_contract_and_add_up_their_metrics(docker_client, vllm_image):
@@ -481,30 +483,57 @@ def test_the_vllm_backed_runtime_survives_fuzzing(served):
     assert "Traceback" not in logs, logs[logs.index("Traceback") - 300:][:3000]
 
 
-def test_lora_adapters_are_vllms_own_and_follow_the_source(docker_client, vllm_image, tmp_path):
+@pytest.fixture(scope="module")
+def with_adapters(docker_client, vllm_image, tmp_path_factory):
+    """NIM_PEFT_SOURCE on the vLLM image, the runtime as PID 1's child: the source's directory, the
+    adapter the LoRA test drops in, and the container."""
+    root = tmp_path_factory.mktemp("vllm-peft")
+    source = root / "peft"
+    shutil.copytree(ensure_tiny_adapter("tiny-lora"), source / "tiny-lora")
+    made = random_adapter(ensure_tiny_model(), root / "made", 8, ["q_proj", "v_proj"], seed=5)
+    for path in (root, *root.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # the pod's user reads what the volume holds
+    env = {"NIM_PEFT_SOURCE": "/opt/peft", "NIM_PEFT_REFRESH_INTERVAL": "1", "NIM_MAX_LORA_RANK": "16"}
+    container, url = start_supervised(docker_client, vllm_image, env=env,
+                                      volumes={str(source): {"bind": "/opt/peft", "mode": "ro"}})
+    wait_for(lambda: True if ready(url) == 200 else None, START_TIMEOUT_S, "readiness")
+    yield source, made, container, url
+    container.remove(force=True)
+
+
+def test_lora_adapters_are_vllms_own_and_follow_the_source(with_adapters):
     """NIM_PEFT_SOURCE on the vLLM image: vLLM serves the adapters (`--enable-lora`, `--lora-modules`)
     and the tiny adapter gives the greedy answer it gives in the torch image (transformers + peft's);
     one dropped in is loaded into vLLM within the refresh interval plus 5 s with transformers + peft's
     greedy tokens, and unloaded once removed; requests are counted per adapter; an unknown model is
     OpenAI's 404 model_not_found."""
+    source, made, _, url = with_adapters
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert {m.id: getattr(m, "parent", None) for m in client.models.list().data} == {MODEL: None, "tiny-lora": MODEL}
+    prompt, answer = adapter_pairs("tiny-lora")[4]
+    reply = client.completions.create(model="tiny-lora", prompt=prompt, max_tokens=40, temperature=0)
+    assert reply.choices[0].text == answer
+    assert metric(scrape(url), "request_success_total", model_name="tiny-lora") == 1
+    unknown = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "the", "max_tokens": 2})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    served_then_gone(url, source, "fresh", made, ensure_tiny_model())
 
-    source = tmp_path / "peft"
-    shutil.copytree(ensure_tiny_adapter("tiny-lora"), source / "tiny-lora")
-    made = random_adapter(ensure_tiny_model(), tmp_path / "made", 8, ["q_proj", "v_proj"], seed=5)
-    for path in (tmp_path, *tmp_path.rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)  # the pod's user reads what the volume holds
-    env = {"NIM_PEFT_SOURCE": "/opt/peft", "NIM_PEFT_REFRESH_INTERVAL": "1", "NIM_MAX_LORA_RANK": "16"}
-    running = start_model(docker_client, vllm_image, timeout=START_TIMEOUT_S, env=env,
-                          volumes={str(source): {"bind": "/opt/peft", "mode": "ro"}})
-    client = OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        assert {m.id: getattr(m, "parent", None) for m in client.models.list().data} == {MODEL: None, "tiny-lora": MODEL}
-        prompt, answer = adapter_pairs("tiny-lora")[4]
-        reply = client.completions.create(model="tiny-lora", prompt=prompt, max_tokens=40, temperature=0)
-        assert reply.choices[0].text == answer
-        assert metric(scrape(running.url), "request_success_total", model_name="tiny-lora") == 1
-        unknown = httpx.post(f"{running.url}/v1/completions", json={"model": "nope", "prompt": "the", "max_tokens": 2})
-        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-        served_then_gone(running.url, source, "fresh", made, ensure_tiny_model())
-    finally:
-        running.stop()
+
+def test_sigterm_drains_in_flight_requests_then_stops_vllm_and_exits_0(with_adapters):
+    """Last on its container, the LoRA test's: it stops it."""
+    *_, container, url = with_adapters
+    runtime_pid = next(pid for pid, cmd in processes(container).items() if "-m service serve" in cmd)
+    body = {"model": MODEL, "prompt": "the", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(lines)
+        container.exec_run(["/bin/sh", "-c", f"kill -TERM {runtime_pid}"])
+        [status] = wait_for(lambda: None if (code := ready(url)) == 200 else [code], 5, "readiness to turn")
+        # 503 from the runtime; through Docker's port proxy a new connection during the drain is
+        # sometimes dropped instead (None), which a probe also reads as not ready.
+        assert status in (503, None), "readiness must fail while the in-flight request drains"
+        events = [line for line in lines if line.startswith("data: ")]
+    finish = json.loads(events[-2][6:])["choices"][0]["finish_reason"]
+    assert events[-1] == "data: [DONE]" and finish == "length", "the in-flight request was cut short"
+    assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") == 0
+    assert processes(container) == {}, "processes outlived the runtime"
