@@ -40,10 +40,13 @@ if [ ! -x .venv/bin/uv ]; then
     .venv/bin/pip install --quiet --disable-pip-version-check uv
 fi
 uv_install() { .venv/bin/uv pip install --quiet --python "$@"; }
+# The runtime's dependencies at the versions the cpu image locks (its lock as constraints): the
+# suite's in-process servers then run what the image ships, not whatever the index has newest today.
 stamp=.venv/.inferkiln-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+lock=dockerfiles/locks/cpu.txt
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$lock" -nt "$stamp" ]; then
     echo "setup: installing inferkiln and its dependencies" >&2
-    uv_install .venv/bin/python -e '.[dev]'
+    uv_install .venv/bin/python -e '.[dev]' --constraint "$lock"
     # xgrammar declares Triton for its CUDA kernel only; the CPU image leaves it out (its lock's
     # no-emit), and so does this environment: transformers imports an installed Triton with every
     # model, whose bindings then print reference-leak warnings into the runtime's JSON log at exit.
