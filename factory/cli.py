@@ -77,8 +77,10 @@ def render(spec: Spec, out: Annotated[Path, typer.Option("-o", "--out", help="Di
     typer.echo(f"model: {contexts.model_dir} ({contexts.plan.model_reference})")
     typer.echo(f"chart: {chart_dir}")
     if contexts.wheels_included:
-        typer.echo(f"wheels: {out / 'wheels'} (by hand: python3 -m http.server 8765 --bind 127.0.0.1 -d {out / 'wheels'} & "
-                   f"docker build --network host --build-arg WHEELS=http://127.0.0.1:8765/ {contexts.runtime_dir})")
+        from factory.image.build import WHEELS_PORT as port
+
+        typer.echo(f"wheels: {out / 'wheels'} (by hand: python3 -m http.server {port} --bind 127.0.0.1 -d {out / 'wheels'} & "
+                   f"docker build --network host --build-arg WHEELS=http://127.0.0.1:{port}/ {contexts.runtime_dir})")
     else:
         say("note: the wheelhouse is not cached, so there is no wheels/ to build from: `inferkiln build` or "
             "`inferkiln render --wheels` fetches it")

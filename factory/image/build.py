@@ -28,6 +28,7 @@ from factory.paths import cache_dir
 from factory.spec import LoadedSpec
 
 Progress = Callable[[str], None]
+WHEELS_PORT = 8765  # where the wheelhouse is served during a runtime build (`inferkiln render` names it)
 
 
 class BuildError(CheckFailed):
@@ -131,10 +132,18 @@ def build_runtime(client, flavor: Flavor, reference: str, progress: Progress, co
 
 
 @contextmanager
-def serve_directory(directory: Path) -> Iterator[str]:
-    """The directory's listing over HTTP on loopback (pip's --find-links reads it), while in use."""
+def serve_directory(directory: Path, port: int = WHEELS_PORT) -> Iterator[str]:
+    """The directory's listing over HTTP on loopback (pip's --find-links reads it), while in use.
+
+    On WHEELS_PORT where it is free: the URL is a build argument, part of the install step's cache
+    key, so builds by hand that follow `render`'s note reuse the factory's layers (another port
+    while a second build holds it, which installs afresh)."""
     handler = partial(_QuietFiles, directory=str(directory))
-    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    except OSError:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    with server:
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:

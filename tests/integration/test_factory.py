@@ -20,7 +20,7 @@ import yaml
 from openai import OpenAI
 
 from factory.chart.helm import helm
-from factory.image.build import BuildError, build_context, ensure_base_image, serve_directory
+from factory.image.build import WHEELS_PORT, BuildError, build_context, ensure_base_image, serve_directory
 from factory.image.flavors import DEBIAN_BASE_IMAGE
 from factory.image.lock import locked_versions
 from factory.pipeline.runner import RunSettings, Runner
@@ -142,15 +142,21 @@ def test_model_image_holds_the_runtime_and_not_the_factory(client, built):
 
 
 def test_docker_build_works_on_render_output(client, spec_path, built, tmp_path):
+    """By hand, as the CLI's note says: the runtime context builds the factory's very runtime image
+    (its steps found in Docker's cache, the wheelhouse served at the same address), the model's too."""
     contexts, _ = Runner(spec_path).render(tmp_path / "render")
     assert contexts.wheels_included, "the build filled the wheelhouse, so render links it in"
     tag = f"inferkiln/render-check:{uuid.uuid4().hex[:8]}"
     try:
-        with serve_directory(tmp_path / "render" / "wheels") as wheels:  # as the CLI's note says to, by hand
+        with serve_directory(tmp_path / "render" / "wheels") as wheels:
+            assert wheels == f"http://127.0.0.1:{WHEELS_PORT}/"
             runtime = ["--network", "host", "--build-arg", f"WHEELS={wheels}", str(contexts.runtime_dir)]
+            ids = []
             for args in (runtime, [str(contexts.model_dir)]):
                 result = subprocess.run(["docker", "build", "-q", "-t", tag, *args], capture_output=True, text=True)
                 assert result.returncode == 0, result.stderr[-2000:]
+                ids.append(result.stdout.strip())
+        assert ids[0] == built.runtime.image_id
         model_from = (contexts.model_dir / "Dockerfile").read_text().split("\n", 1)[0]
         assert model_from == f"FROM {built.runtime.reference}"
     finally:
