@@ -39,6 +39,9 @@ class Flavor:
     prune: tuple[str, ...] = ()  # paths (shell globs) under site-packages that serving never loads
     links: tuple[tuple[str, str], ...] = ()  # (link, target) under site-packages, made after install
     driver_stub: str | None = None  # under site-packages: an empty libcuda.so to link JIT-built kernels with
+    # packages whose files other wheels of the lock also carry, installed again after the rest so that
+    # theirs are the files left (uv installs wheels side by side: which copy lands first is not fixed)
+    install_last: tuple[str, ...] = ()
     local_wheels: bool = False  # resolve with the find-links that hold builds outside the index (CPU torch)
     engines: tuple[str, ...] = ("torch",)  # the profile engines its image can run
 
@@ -120,7 +123,10 @@ FLAVORS: dict[str, Flavor] = {
     # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
     "cuda": Flavor("cuda", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_36",
                    no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), links=CUDA_HOME_LINKS,
-                   driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch")),
+                   driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch"),
+                   # FlashInfer pins cuda-python 12.6, which carries its own cuda.bindings in the same
+                   # files as cuda-bindings 13.5 (torch's): 13.5's must win (vLLM's sampler needs it)
+                   install_last=("cuda-bindings",)),
 }
 
 

@@ -6,8 +6,11 @@ RUN groupadd --gid 65532 nim \
 COPY requirements.lock /tmp/requirements.lock
 ARG WHEELS
 RUN python3 -m venv /opt/nim/venv \
- && /opt/nim/venv/bin/pip install --no-index --no-deps --require-hashes --no-cache-dir --disable-pip-version-check \
-      --find-links "$WHEELS" -r /tmp/requirements.lock \
+ && python3 -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1].rstrip("/") + "/uv", "/tmp/uv")' "$WHEELS" \
+ && chmod 0755 /tmp/uv \
+ && UV_CACHE_DIR=/tmp/uv-cache /tmp/uv pip install --quiet --python /opt/nim/venv/bin/python --no-index --no-deps \
+      --require-hashes --compile-bytecode --link-mode hardlink --find-links "$WHEELS" -r /tmp/requirements.lock \
+ && rm -rf /tmp/uv /tmp/uv-cache \
  && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/

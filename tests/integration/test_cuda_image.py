@@ -131,7 +131,7 @@ def test_torch_and_vllm_import_with_the_locked_cuda(client, built):
     # worker and model runner, the FlashAttention backend, the sampler (FlashInfer's), fp8 linear
     # layers, NCCL for tp > 1, the llama model. vLLM and torch import Triton, FlashInfer and the CuTe
     # DSL softly (a failed import only turns their kernels off), so each is imported and asked here.
-    code = ("import json, torch, vllm, triton, triton.language, flashinfer, cutlass.cute\n"
+    code = ("import json, torch, vllm, triton, triton.language, flashinfer, cutlass.cute, cuda.bindings\n"
             "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.gpu_model_runner\n"
             "import vllm.v1.attention.backends.flash_attn, vllm.v1.sample.ops.topk_topp_sampler\n"
             "import vllm.model_executor.layers.quantization.fp8, vllm.model_executor.models.llama\n"
@@ -143,6 +143,7 @@ def test_torch_and_vllm_import_with_the_locked_cuda(client, built):
             "from torch.utils._triton import has_triton_package\n"
             "NCCLLibrary()  # dlopens libnccl.so.2 as tp > 1 does\n"
             "print(json.dumps({'cuda': torch.version.cuda, 'torch': torch.__version__, 'vllm': vllm.__version__,\n"
+            "                  'bindings': cuda.bindings.__version__,  # two wheels carry its files (install_last)\n"
             "                  'available': torch.cuda.is_available(), 'triton_backends': sorted(triton.backends.backends),\n"
             "                  'soft': [HAS_TRITON, has_triton_package(), has_flashinfer(), ll_bf16.is_available(),\n"
             "                           has_cutedsl(), has_humming()]}))")
@@ -153,6 +154,7 @@ def test_torch_and_vllm_import_with_the_locked_cuda(client, built):
     found = json.loads(out.strip().splitlines()[-1])
     assert found["cuda"] == ".".join(LOCK["nvidia-cuda-runtime"].split(".")[:2])
     assert found["torch"].split("+")[0] == LOCK["torch"] and found["vllm"] == LOCK["vllm"]
+    assert found["bindings"] == LOCK["cuda-bindings"]
     assert found["available"] is False
     assert "nvidia" in found["triton_backends"] and found["soft"] == [True] * 6, found
 
