@@ -133,7 +133,7 @@ def build_runtime(client, flavor: Flavor, reference: str, progress: Progress, co
 
 @contextmanager
 def serve_directory(directory: Path, port: int = WHEELS_PORT) -> Iterator[str]:
-    """The directory's listing over HTTP on loopback (pip's --find-links reads it), while in use.
+    """The directory's listing over HTTP on loopback (the installer's --find-links reads it), while in use.
 
     On WHEELS_PORT where it is free: the URL is a build argument, part of the install step's cache
     key, so builds by hand that follow `render`'s note reuse the factory's layers (another port

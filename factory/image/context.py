@@ -25,6 +25,7 @@ import jinja2
 
 from factory.image.flavors import CUDA_HOME, Flavor, flavor as flavor_named
 from factory.image.lock import lock_digest, locked_versions
+from factory.image.wheelhouse import INSTALLER
 from factory.paths import repo_root
 from factory.spec import LoadedSpec, check_adapter
 from service import image_contract as contract
@@ -64,7 +65,7 @@ def runtime_dockerfile(flavor: Flavor) -> str:
     return templates().get_template("runtime.Dockerfile.j2").render(
         base_image=flavor.base_image, uid=contract.UID, port=contract.PORT, home=contract.HOME, venv=contract.VENV,
         site_packages=site_packages(flavor), prune=flavor.prune, links=flavor.links,
-        driver_stub=flavor.driver_stub, install_last=flavor.install_last, vllm="vllm" in flavor.engines,
+        driver_stub=flavor.driver_stub, installer=INSTALLER, install_last=flavor.install_last, vllm="vllm" in flavor.engines,
         app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
         manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
         env=contract.image_env() | gpu_env(flavor))
@@ -123,8 +124,6 @@ def write_runtime_context(flavor: Flavor, out: Path) -> Path:
 
 def link_wheelhouse(wheels: Path, out: Path) -> Path:
     """The wheels and the installer the runtime's build fetches, as the factory serves them."""
-    from factory.image.wheelhouse import INSTALLER
-
     out.mkdir(parents=True, exist_ok=True)
     for path in sorted([*wheels.glob("*.whl"), wheels / INSTALLER]):
         _link_or_copy(str(path), str(out / path.name))

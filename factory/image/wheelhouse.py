@@ -18,7 +18,7 @@ from factory.image.lock import lock_digest
 from factory.paths import cache_dir
 
 Progress = Callable[[str], None]
-INSTALLER = "uv"  # the installer's file name in the wheelhouse, which the runtime's Dockerfile fetches
+INSTALLER = "uv"  # the installer's file name in the wheelhouse, which the runtime's Dockerfile fetches by it
 
 
 def wheelhouse_dir(flavor: Flavor) -> Path:
