@@ -40,7 +40,8 @@ class Flavor:
     links: tuple[tuple[str, str], ...] = ()  # (link, target) under site-packages, made after install
     driver_stub: str | None = None  # under site-packages: an empty libcuda.so to link JIT-built kernels with
     # packages whose files other wheels of the lock also carry, installed again after the rest so that
-    # theirs are the files left (uv installs wheels side by side: which copy lands first is not fixed)
+    # theirs are the files left (uv installs wheels side by side: which copy lands first is not fixed);
+    # the build checks that this and `prune` settle every such file (factory.image.overlaps)
     install_last: tuple[str, ...] = ()
     local_wheels: bool = False  # resolve with the find-links that hold builds outside the index (CPU torch)
     engines: tuple[str, ...] = ("torch",)  # the profile engines its image can run
@@ -89,6 +90,9 @@ CUDA_PRUNED = (
     "nvidia/nvshmem/lib/nvshmem_bootstrap_pmix.so.*",
     "numba/np/ufunc/tbbpool.*.so",  # numba's TBB threading layer (no libtbb); it falls back to OpenMP
     "triton/backends/nvidia/lib/cupti",  # CUPTI for Triton's Proton profiler (torch links nvidia/cu13's)
+    # a build backend that FlashInfer's and torch-c-dlpack-ext's wheels each put at site-packages' top,
+    # each its own (factory.image.overlaps): nothing imports it
+    "build_backend.py",
 )
 # The CUDA wheels' directory as a CUDA_HOME for FlashInfer's JIT, which links `-L$CUDA_HOME/lib64 -lcudart`.
 CUDA_HOME = "nvidia/cu13"

@@ -15,6 +15,7 @@ from pathlib import Path
 from factory.errors import CheckFailed
 from factory.image.flavors import Flavor
 from factory.image.lock import lock_digest
+from factory.image.overlaps import check_overlaps
 from factory.paths import cache_dir
 
 Progress = Callable[[str], None]
@@ -44,7 +45,14 @@ def with_installer(wheels: Path) -> Path:
 
 
 def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
-    """Download the lock's wheels once (pip verifies every hash); later calls return the cache."""
+    """The lock's wheels, downloaded once (pip verifies every hash), once the flavor settles every
+    file that two of them install (factory.image.overlaps)."""
+    wheels = _cached_or_downloaded(flavor, progress)
+    check_overlaps(flavor, wheels, progress)
+    return wheels
+
+
+def _cached_or_downloaded(flavor: Flavor, progress: Progress) -> Path:
     if cached := cached_wheelhouse(flavor):
         return _without_stale(cached, flavor)
     target = wheelhouse_dir(flavor)

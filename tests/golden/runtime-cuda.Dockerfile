@@ -28,6 +28,7 @@ RUN python3 -m venv /opt/nim/venv \
       nvidia/nvshmem/lib/nvshmem_bootstrap_pmix.so.* \
       numba/np/ufunc/tbbpool.*.so \
       triton/backends/nvidia/lib/cupti \
+      build_backend.py \
  && ln -s lib nvidia/cu13/lib64 \
  && ln -s libcudart.so.13 nvidia/cu13/lib/libcudart.so \
  && mkdir -p nvidia/cu13/lib/stubs \
