@@ -43,7 +43,6 @@ class Overlap:
 def installed_files(wheel: Path) -> dict[str, str]:
     """Where each file of the wheel installs (as Overlap.path) and its hash, from its RECORD; the
     wheel's own .dist-info, which no other wheel shares, is left out."""
-    name, version, _, _ = parse_wheel_filename(wheel.name)
     with zipfile.ZipFile(wheel) as archive:
         record = next(n for n in archive.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD"))
         rows = list(csv.reader(io.TextIOWrapper(archive.open(record), "utf-8")))
