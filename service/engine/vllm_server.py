@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import ctypes.util
 import json
 import logging
 import math
 import os
 import shlex
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -36,6 +38,7 @@ from service.adapters import Adapter, AdapterRegistry
 from service.engine.base import EngineError, EngineStats, PassthroughEngine
 from service.logs import json_lines_for_raw_output
 from service.manifest import Profile
+from service.profiles import vllm_build
 from service.settings import SECRET_ENV, Settings
 
 if TYPE_CHECKING:
@@ -267,6 +270,8 @@ def serve(settings: Settings, selection: Selection) -> int:
     os.environ[RUNTIME_FILE_ENV] = str(state)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
+    if vllm_build() == "cpu":
+        os.environ["LD_PRELOAD"] = cpu_preload(os.environ.get("LD_PRELOAD", ""))
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     _adopt_orphans()
@@ -282,6 +287,20 @@ def serve(settings: Settings, selection: Selection) -> int:
         log.error("exiting non-zero: %s", vllm_contract.failure)
         return _failed()
     return 0
+
+
+def cpu_preload(current: str, prefix: Path = Path(sys.prefix)) -> str:
+    """LD_PRELOAD for the processes vLLM's CPU build starts (its engine core and workers, where the
+    model runs), as its CPU install docs set it ("set LD_PRELOAD"; its worker warns without): TCMalloc
+    (Debian's libtcmalloc-minimal4, in the base image) and Intel OpenMP (its wheel's intel-openmp
+    dependency), each unless `current` already names one. Not the image's environment: the torch
+    engine, which the vllm-cpu image also runs, decoded 0.63-0.75x as fast with Intel OpenMP preloaded
+    (76M fp32, 2-core EPYC). `prefix`: the Python environment vLLM is in."""
+    iomp = prefix / "lib" / "libiomp5.so"
+    wanted = {"libtcmalloc": ctypes.util.find_library("tcmalloc_minimal"),
+              "libiomp": str(iomp) if iomp.is_file() else None}
+    added = [library for name, library in wanted.items() if library and name not in current]
+    return ":".join([*added, *([current] if current else [])])
 
 
 def _adopt_orphans() -> None:

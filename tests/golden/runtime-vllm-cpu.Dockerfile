@@ -1,4 +1,4 @@
-FROM inferkiln/base:bookworm-py311-2949e0aa
+FROM inferkiln/base:bookworm-py311-958e15ab
 RUN groupadd --gid 65532 nim \
  && useradd --uid 65532 --gid 65532 --home-dir /opt/nim --no-create-home --shell /usr/sbin/nologin nim \
  && mkdir -p /opt/nim/.cache /opt/nim/etc/default /opt/nim/model \

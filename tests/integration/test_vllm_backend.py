@@ -201,6 +201,21 @@ def test_the_model_class_was_inspected_when_the_image_was_built(served):
     assert generates and cached > 100, cached  # vLLM alone would have cached this model's class only
 
 
+def test_vllms_engine_processes_run_with_tcmalloc_and_intel_openmp_loaded(served):
+    """As vLLM's CPU install docs set LD_PRELOAD: in the processes that run the model, not in the
+    runtime's own (service.engine.vllm_server.cpu_preload)."""
+    def loaded(pid: int) -> set[str]:
+        maps = served.container.exec_run(["cat", f"/proc/{pid}/maps"]).output.decode()
+        return {name for name in ("libtcmalloc_minimal", "libiomp5") if name in maps}
+
+    running = processes(served.container)
+    engines = [pid for pid, cmd in running.items() if cmd.startswith("VLLM::")]
+    assert engines, f"no vLLM engine process beside the server: {running}"
+    assert all(loaded(pid) == {"libtcmalloc_minimal", "libiomp5"} for pid in engines), \
+        {running[pid]: loaded(pid) for pid in engines}
+    assert loaded(1) == set(), "the runtime's own process has them preloaded"
+
+
 def test_a_disconnect_aborts_the_request_in_vllm(served):
     """Had vLLM gone on, the request would have finished by length (ignore_eos); vLLM's count of those
     shows that it stopped instead. How many tokens it made first depends on the machine's load.

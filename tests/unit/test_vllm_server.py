@@ -13,7 +13,7 @@ import pytest
 from service.admission import Admission
 from service.api.passthrough import Passthrough, _asking_for_usage, _refused_before_the_engine, openai_error
 from service.engine.base import EngineStats
-from service.engine.vllm_server import MIDDLEWARE, gauges_from_vllm, vllm_arguments, write_logging_config
+from service.engine.vllm_server import MIDDLEWARE, cpu_preload, gauges_from_vllm, vllm_arguments, write_logging_config
 from service.logs import request_id_var
 from service.manifest import Profile, ProfileTags
 from service.metrics import ServiceMetrics
@@ -361,3 +361,16 @@ def test_what_vllm_would_answer_with_a_500_is_a_400_first(body, refused):
     if refused:
         assert (error.status, error.param) == (400, "structured_outputs")
     assert _refused_before_the_engine("/tokenize", body) is None
+
+
+def test_vllms_cpu_processes_get_tcmalloc_and_intel_openmp_unless_already_preloaded(tmp_path, monkeypatch):
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}.get(name))
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    iomp = str(tmp_path / "lib" / "libiomp5.so")
+    assert cpu_preload("", tmp_path) == f"libtcmalloc_minimal.so.4:{iomp}"
+    assert cpu_preload("/opt/libjemalloc.so", tmp_path) == f"libtcmalloc_minimal.so.4:{iomp}:/opt/libjemalloc.so"
+    assert cpu_preload("/usr/lib/libtcmalloc.so.4:/x/libiomp5.so", tmp_path) == "/usr/lib/libtcmalloc.so.4:/x/libiomp5.so"
+    assert cpu_preload("", tmp_path / "elsewhere") == "libtcmalloc_minimal.so.4"  # an environment without intel-openmp
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    assert cpu_preload("", tmp_path / "elsewhere") == ""  # a base without TCMalloc: nothing to preload
