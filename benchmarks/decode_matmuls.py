@@ -6,7 +6,9 @@ A decode step of the ~76M Llama shape (benchmarks.common.LLAMA_76M) is mostly it
 can go no faster than memory gives up those bytes, so the kernel's read rate bounds how close an
 engine can come to the bandwidth limit; with 8 rows (c=8) it is what one step's matmuls cost.
 Timed for each kernel, in a process of its own (one OpenMP team, its own compiler settings):
-- `onednn_packed`: the torch engine's, oneDNN's GEMM on weights packed at load
+- `avx2_panels`: the torch engine's where it suits the CPU, service.engine.cpu_gemm's AVX2 kernel on
+  weights packed in 24-column panels at load; skipped, with the reason, elsewhere;
+- `onednn_packed`: the torch engine's on other CPUs, oneDNN's GEMM on weights packed at load
   (service.engine.llama_runner.Linear, llama_graph.linear);
 - `aten_linear`: torch's F.linear on plain weights (MKL on x86 builds of torch);
 - `openblas`: numpy's matmul (OpenBLAS in numpy's wheels);
@@ -32,7 +34,7 @@ from pathlib import Path
 from benchmarks.common import LLAMA_76M, write_result
 from service.profiles import cpu_cores
 
-KERNELS = ("onednn_packed", "aten_linear", "openblas", "inductor_cpp_gemm")
+KERNELS = ("avx2_panels", "onednn_packed", "aten_linear", "openblas", "inductor_cpp_gemm")
 
 
 def fused_weights(config: dict) -> list:
@@ -53,6 +55,15 @@ def skipped(kernel: str) -> str | None:
     """Why `kernel` cannot run here, or None."""
     if kernel == "inductor_cpp_gemm" and not (shutil.which("g++") or shutil.which("c++")):
         return "no C++ compiler on PATH: inductor compiles its CPU kernels at run time"
+    if kernel == "avx2_panels":
+        import torch
+
+        from service.engine import cpu_gemm
+
+        if not cpu_gemm.suits(torch.device("cpu"), torch.float32):
+            return "the CPU is not one the AVX2 kernel is for (x86 with AVX2 and FMA, without AVX-512)"
+        if not cpu_gemm.load():
+            return "the AVX2 kernel could not be built here (no C++ compiler?)"
     return None
 
 
@@ -60,12 +71,15 @@ def step_function(kernel: str, weights: list):
     """A callable running every matmul of the step on its inputs, as `kernel` does."""
     import torch
 
-    if kernel == "onednn_packed":
-        from service.engine.llama_graph import linear
-        from service.engine.llama_runner import Linear
+    if kernel in ("avx2_panels", "onednn_packed"):
+        from service.engine import cpu_gemm
+        from service.engine.llama_graph import ONEDNN, PANELS, linear
+        from service.engine.llama_runner import PACK_BATCH_HINT
 
-        linears = [Linear(w, None, pack=True) for w in weights]
-        return lambda xs: [linear(x, m.weight, None, m.packed) for x, m in zip(xs, linears)]
+        layout = PANELS if kernel == "avx2_panels" else ONEDNN
+        packed = [cpu_gemm.pack(w) if layout == PANELS else torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+                  for w in weights]
+        return lambda xs: [linear(x, p, None, layout, w.shape[0]) for x, p, w in zip(xs, packed, weights)]
     if kernel == "aten_linear":
         return lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]
     if kernel == "openblas":

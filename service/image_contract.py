@@ -21,6 +21,8 @@ PEFT_DIR = f"{HOME}/loras"  # a model image's LoRA adapters (NIM_PEFT_SOURCE), o
 # The public key a model image carries for its model's signature (NIM_MODEL_VERIFY_KEY); a chart may
 # mount another one from a Secret or ConfigMap.
 MODEL_VERIFY_KEY = f"{HOME}/etc/model-signing/key.pem"
+# the torch engine's C++ CPU kernels, compiled when the image is built (service/engine/cpu_gemm.py)
+CPU_KERNEL_DIR = f"{HOME}/lib/kernels"
 # vLLM's model-class inspection, made when the image is built (service/engine/vllm_modelinfo.py)
 VLLM_MODELINFO_DIR = f"{HOME}/etc/vllm/modelinfos"
 

@@ -66,9 +66,15 @@ def runtime_dockerfile(flavor: Flavor) -> str:
         base_image=flavor.base_image, uid=contract.UID, port=contract.PORT, home=contract.HOME, venv=contract.VENV,
         site_packages=site_packages(flavor), prune=flavor.prune, links=flavor.links,
         driver_stub=flavor.driver_stub, installer=INSTALLER, install_last=flavor.install_last, vllm="vllm" in flavor.engines,
-        app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH,
+        app_dir=contract.APP_DIR, cache_path=contract.CACHE_PATH, cpu_kernels=flavor.cpu_kernels,
+        kernel_dir=contract.CPU_KERNEL_DIR,
         manifest_dir=str(Path(contract.MANIFEST_PATH).parent), model_dir=contract.MODEL_DIR,
-        env=contract.image_env() | gpu_env(flavor))
+        env=contract.image_env() | kernel_env(flavor) | gpu_env(flavor))
+
+
+def kernel_env(flavor: Flavor) -> dict[str, str]:
+    """Where the torch engine finds the C++ kernels the image was built with."""
+    return {"INFERKILN_KERNEL_DIR": contract.CPU_KERNEL_DIR} if flavor.cpu_kernels else {}
 
 
 def gpu_env(flavor: Flavor) -> dict[str, str]:

@@ -46,6 +46,7 @@ class Flavor:
     install_last: tuple[str, ...] = ()
     local_wheels: bool = False  # resolve with the find-links that hold builds outside the index (CPU torch)
     engines: tuple[str, ...] = ("torch",)  # the profile engines its image can run
+    cpu_kernels: bool = True  # the torch engine's C++ CPU kernels compiled into the image (service.engine.cpu_gemm)
 
     @property
     def lock_path(self) -> Path:
@@ -128,7 +129,7 @@ FLAVORS: dict[str, Flavor] = {
     # What is left out, and why, is CUDA_LEFT_OUT below and in the README.
     "cuda": Flavor("cuda", DEBIAN_BASE_IMAGE, "3.11", "x86_64-manylinux_2_36",
                    no_emit=tuple(CUDA_LEFT_OUT), prune=tuple(CUDA_PRUNED), links=CUDA_HOME_LINKS,
-                   driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch"),
+                   driver_stub=CUDA_DRIVER_STUB, engines=("vllm", "torch"), cpu_kernels=False,  # GPU-bound
                    # FlashInfer pins cuda-python 12.6, which carries its own cuda.bindings in the same
                    # files as cuda-bindings 13.5 (torch's): 13.5's must win (vLLM's sampler needs it)
                    install_last=("cuda-bindings",)),

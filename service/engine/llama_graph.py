@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from service import profiles
+from service.engine import cpu_gemm  # noqa: F401  (defines inferkiln::linear_fp32, which `linear` may call)
 
 # TorchScript's annotations cannot name `Scalar?[]`, the type of oneDNN's `scalars` argument,
 # except in TorchScript source ("number").
@@ -37,9 +38,16 @@ packed_linear = _ONEDNN.packed_linear
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_pytorch_tanh", "relu"})
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool) -> torch.Tensor:
-    """x @ W.T + b; a packed W is in oneDNN's blocked layout (see llama_runner.Linear)."""
-    if packed:
+# How a weight is laid out (llama_runner.Linear): as loaded, packed for oneDNN, or in cpu_gemm's panels.
+PLAIN, ONEDNN, PANELS = 0, 1, 2
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: int,
+           columns: int) -> torch.Tensor:
+    """x @ W.T + b for W [columns, in] laid out as `layout` says (literals: TorchScript reads no globals)."""
+    if layout == 2:  # PANELS
+        return torch.ops.inferkiln.linear_fp32(x, weight, columns, bias)
+    if layout == 1:  # ONEDNN
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -96,7 +104,8 @@ class LlamaGraph(torch.nn.Module):
 
     weights: List[torch.Tensor]  # per layer: qkv, o, gate_up, down
     biases: List[Optional[torch.Tensor]]
-    packed: List[bool]
+    layouts: List[int]  # PLAIN, ONEDNN or PANELS
+    columns: List[int]  # each weight's output features
     norms: List[torch.Tensor]  # per layer: input, post-attention
     lm_bias: Optional[torch.Tensor]
     lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [in, slots*k*R] (service.engine.lora)
@@ -115,7 +124,8 @@ class LlamaGraph(torch.nn.Module):
         order = in_order(linears)
         self.weights = [linear_.weight for linear_ in order]
         self.biases = [linear_.bias for linear_ in order]
-        self.packed = [linear_.packed for linear_ in order]
+        self.layouts = [linear_.layout for linear_ in order]
+        self.columns = [linear_.columns for linear_ in order]
         layers = model.model.layers
         self.norms = layer_norms(model)
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
@@ -216,7 +226,7 @@ class LlamaGraph(torch.nn.Module):
 
     def _project(self, x: torch.Tensor, w: int, masks: List[torch.Tensor]) -> torch.Tensor:
         """Fused projection w on x [tokens, in], plus each token's LoRA: ((x @ A) * mask) @ B."""
-        y = linear(x, self.weights[w], self.biases[w], self.packed[w])
+        y = linear(x, self.weights[w], self.biases[w], self.layouts[w], self.columns[w])
         if len(masks) == 0:
             return y
         return y + torch.matmul(torch.matmul(x, self.lora_a[w]) * masks[w % 4], self.lora_b[w])

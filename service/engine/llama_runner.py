@@ -22,7 +22,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.engine.compiled_decode import CompiledDecode, check_can_compile
-from service.engine.llama_graph import ACTIVATIONS, LlamaGraph
+from service.engine import cpu_gemm
+from service.engine.llama_graph import ACTIVATIONS, ONEDNN, PANELS, PLAIN, LlamaGraph
 from service.engine.lora import LoraPool
 from service.profiles import cpu_computes
 
@@ -115,6 +116,11 @@ class LlamaRunner:
                 "o": fuse([attention.o_proj]), "gate_up": fuse([mlp.gate_proj, mlp.up_proj]),
                 "down": fuse([mlp.down_proj])}
 
+    def matmul_kernels(self) -> str:
+        """What runs the layers' matmuls, for the engine's start-up log."""
+        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: "cpu_gemm's AVX2 panels"}
+        return ", ".join(sorted({names[linear.layout] for layer in self.linears for linear in layer.values()}))
+
     @property
     def bytes_per_block(self) -> int:
         return 2 * self.keys[:, :self.block_size].numel() * self.keys.element_size()
@@ -201,20 +207,27 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """W and b of x @ W.T + b, with a large W packed for oneDNN once at load (llama_graph.linear).
+    """W and b of x @ W.T + b, with a large W laid out once at load for the kernel that runs it
+    (llama_graph.linear): in cpu_gemm's panels where that kernel suits the CPU, else packed for oneDNN.
 
     With few rows (a decode batch), oneDNN's kernels on a weight already in their blocked layout run
     about 1.8x faster than F.linear, which lays the weight out again on every call (measured for
     the 76M benchmark model's shapes at batch 8 and 16 on 2 cores); vLLM's CPU build packs its
-    weights the same way. A small weight (the tiny model's) is faster unpacked: see PACK_MIN_ELEMENTS.
+    weights the same way. A small weight (the tiny model's) is faster as loaded: see PACK_MIN_ELEMENTS.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, modules=()) -> None:
         self.bias = bias
-        self.packed = pack and weight.numel() >= PACK_MIN_ELEMENTS
-        if self.packed:
+        self.columns = weight.shape[0]
+        self.layout = PLAIN
+        if pack and weight.numel() >= PACK_MIN_ELEMENTS:
+            self.layout = PANELS if cpu_gemm.suits(weight.device, weight.dtype) and cpu_gemm.load() else ONEDNN
+        if self.layout == PANELS:
+            self.weight = cpu_gemm.pack(weight)
+        elif self.layout == ONEDNN:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-            for module in modules:  # the packed copy is the only one kept
-                module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         else:
             self.weight = weight
+        if self.layout != PLAIN:
+            for module in modules:  # the laid-out copy is the only one kept
+                module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)

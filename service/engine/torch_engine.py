@@ -223,6 +223,7 @@ class TorchEngine(Engine):
                      self.lora_limits.max_rank, self.lora.bytes_per_slot / 2**20)
         self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True,
                                   lora=self.lora, compile_decode=self.compile_decode)
+        log.info("matmuls: %s", self.runner.matmul_kernels())
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
                  self.device)

@@ -14,6 +14,7 @@ RUN python3 -m venv /opt/nim/venv \
  && rm /tmp/requirements.lock
 COPY bin/ /usr/local/bin/
 COPY service/ /opt/nim/app/service/
+RUN INFERKILN_KERNEL_DIR=/opt/nim/lib/kernels PYTHONPATH=/opt/nim/app /opt/nim/venv/bin/python -m service.engine.cpu_gemm
 RUN VLLM_NO_USAGE_STATS=1 PYTHONPATH=/opt/nim/app /opt/nim/venv/bin/python -m service.engine.vllm_modelinfo \
  && rm -rf /tmp/torchinductor_root
 ENV PATH="/opt/nim/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -24,6 +25,7 @@ ENV NIM_MANIFEST_PATH="/opt/nim/etc/default/model_manifest.yaml"
 ENV NIM_SERVER_PORT="8000"
 ENV PYTHONUNBUFFERED="1"
 ENV HF_HUB_OFFLINE="0"
+ENV INFERKILN_KERNEL_DIR="/opt/nim/lib/kernels"
 USER 65532:65532
 WORKDIR /opt/nim
 EXPOSE 8000

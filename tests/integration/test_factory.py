@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
 from openai import OpenAI
 
@@ -31,6 +32,7 @@ from factory.verify.container import start_model
 from factory.verify.result import Gate, TestReport
 from factory.tinymodel import memorised_pairs
 from service import image_contract as contract
+from service.engine import cpu_gemm
 from service.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -139,6 +141,26 @@ def test_model_image_holds_the_runtime_and_not_the_factory(client, built):
     assert status != 0 and "No module named 'factory'" in logs
     status, logs = python("import importlib.metadata as m; print(m.version('torch'))")
     assert status == 0 and logs.strip() == locked_versions(Path(__file__).parents[2] / "dockerfiles" / "locks" / "cpu.txt")["torch"]
+
+
+KERNEL_CHECK = """
+import torch
+from service.engine import cpu_gemm
+assert cpu_gemm.library_path().exists(), "not built with the image"
+assert cpu_gemm.load()
+weight, x = torch.randn(100, 64), torch.randn(5, 64)
+assert torch.allclose(torch.ops.inferkiln.linear_fp32(x, cpu_gemm.pack(weight), 100, None), x @ weight.T, atol=1e-4)
+print("loaded", cpu_gemm.library_path())
+"""
+
+
+def test_the_cpu_image_carries_its_matmul_kernel_compiled(client, built):
+    """Compiled by the image's build, where its user cannot write: a container starts without a compiler run."""
+    if not cpu_gemm.suits(torch.device("cpu"), torch.float32):
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512: it would not run here")
+    logs = client.containers.run(built.model.reference, entrypoint=["python", "-c", KERNEL_CHECK], remove=True,
+                                 read_only=True, network_mode="none").decode()
+    assert f"loaded {contract.CPU_KERNEL_DIR}/cpu_gemm-" in logs
 
 
 def test_docker_build_works_on_render_output(client, spec_path, built, tmp_path):

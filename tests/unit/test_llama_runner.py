@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service import profiles
-from service.engine import llama_graph, llama_runner
+from service.engine import cpu_gemm, llama_graph, llama_runner
+from service.engine.llama_graph import ONEDNN, PANELS, PLAIN
 from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack
 
 ATOL = 1e-4
@@ -116,12 +117,21 @@ def test_what_the_runner_cannot_compute_is_refused(setup, field, value):
         setattr(model.config, field, original)
 
 
-def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypatch):
+def panels_run_here() -> bool:
+    return cpu_gemm.suits(torch.device("cpu"), torch.float32) and cpu_gemm.load()
+
+
+@pytest.mark.parametrize("layout", [ONEDNN, PANELS], ids=["onednn", "avx2-panels"])
+def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypatch, layout):
     tokenizer, _, runner = setup
-    monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are below it
-    packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
-    if not packed.linears[0]["qkv"].packed:
+    if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
+    if layout == PANELS and not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are below it
+    monkeypatch.setattr(cpu_gemm, "suits", lambda device, dtype: layout == PANELS)
+    packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
+    assert {linear.layout for layer in packed.linears for linear in layer.values()} == {layout}
     a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
     b = tokenizer("Tea")["input_ids"]
     with torch.inference_mode():
@@ -135,10 +145,50 @@ def test_only_weights_large_enough_to_gain_are_packed():
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
     small, large = torch.randn(384, 128), torch.randn(1536, 512)
-    assert not Linear(small, None, pack=True).packed
-    assert Linear(large, None, pack=True).packed
+    assert Linear(small, None, pack=True).layout == PLAIN
+    assert Linear(large, None, pack=True).layout == (PANELS if panels_run_here() else ONEDNN)
     x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, pack=True)
-    assert torch.allclose(llama_graph.linear(x, packed.weight, None, True), x @ large.T, atol=1e-4)
+    assert torch.allclose(llama_graph.linear(x, packed.weight, None, packed.layout, 1536), x @ large.T, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("columns, inner", [(1, 7), (23, 64), (24, 64), (25, 33), (100, 768)])
+def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    torch.manual_seed(rows * 1000 + columns)
+    weight, bias, x = torch.randn(columns, inner), torch.randn(columns), torch.randn(2, rows, inner)
+    packed = cpu_gemm.pack(weight)
+    assert packed.shape == (-(-columns // cpu_gemm.PANEL), inner, cpu_gemm.PANEL)
+    expected = x @ weight.T
+    assert torch.allclose(torch.ops.inferkiln.linear_fp32(x, packed, columns, None), expected, atol=1e-4)
+    assert torch.allclose(torch.ops.inferkiln.linear_fp32(x.transpose(0, 1), packed, columns, bias),
+                          (expected + bias).transpose(0, 1), atol=1e-4), "non-contiguous input, bias"
+
+
+def test_avx2_panels_refuse_what_they_cannot_compute():
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    packed = cpu_gemm.pack(torch.randn(30, 16))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.inferkiln.linear_fp32(torch.randn(2, 16, dtype=torch.bfloat16), packed, 30, None)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.inferkiln.linear_fp32(torch.randn(2, 15), packed, 30, None)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.inferkiln.linear_fp32(torch.randn(2, 16), packed, 60, None)
+
+
+def test_the_kernel_is_built_once_and_whole(tmp_path, monkeypatch):
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    monkeypatch.setenv("INFERKILN_KERNEL_DIR", str(tmp_path))
+    path = cpu_gemm.build(cpu_gemm.library_path())
+    assert path.parent == tmp_path and path.name.startswith("cpu_gemm-") and list(tmp_path.iterdir()) == [path]
+    monkeypatch.setattr(cpu_gemm, "SOURCE", tmp_path / "broken.cpp")
+    (tmp_path / "broken.cpp").write_text("this is not C++")
+    with pytest.raises(Exception):
+        cpu_gemm.build(tmp_path / "cpu_gemm-broken.so")
+    assert sorted(tmp_path.iterdir()) == sorted([path, tmp_path / "broken.cpp"]), "a failed build leaves nothing half-written"
 
 
 def test_the_forward_pass_takes_every_core_only_for_compute_bound_models_on_small_machines(monkeypatch):

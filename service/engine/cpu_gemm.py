@@ -1,0 +1,121 @@
+"""fp32 matmuls for the torch engine on AVX2 CPUs: `inferkiln::linear_fp32` (cpu_gemm.cpp).
+
+On a 2-core AMD EPYC (AVX2, no AVX-512) oneDNN's packed fp32 GEMM, which the engine used for every
+weight, read a decode step's 307 MB of weights at about two thirds of the memory's rate with one row
+and ran 8 rows at ~40% of the FMA units' peak. A 4x24 AVX2 tile over weights packed in 24-column
+panels did the 40 matmuls of the 76M shape 1.36-1.50x as fast with one row (at the rate torch's sum
+reads memory), 1.40-1.45x with 8, 1.33-1.40x with 16 and 1.17-1.21x with 128 (`python -m
+benchmarks.decode_matmuls`). It is used where it was measured: fp32 on x86 CPUs with AVX2 and FMA
+but without AVX-512, whose oneDNN kernels it has not been compared with; elsewhere oneDNN stays.
+
+The kernel is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
+service.engine.cpu_gemm`), or on first use where a compiler is at hand (the cache below); with
+neither, the engine runs oneDNN and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from service import profiles
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+
+# The schema lives here, not in the C++ library, so that TorchScript graphs that may call the op
+# compile where the library is absent (they then never call it).
+_LIBRARY = torch.library.Library("inferkiln", "DEF")
+_LIBRARY.define("linear_fp32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_loaded: bool | None = None
+
+
+def kernel_dir() -> Path:
+    """Where the compiled library is kept: INFERKILN_KERNEL_DIR (the image's, built with it), else
+    the user's cache."""
+    configured = os.environ.get("INFERKILN_KERNEL_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "inferkiln" / "kernels"
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """The library for this source, torch version and compiler flags: a change to any builds anew."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    return (directory or kernel_dir()) / f"cpu_gemm-{key.hexdigest()[:16]}.so"
+
+
+def suits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this machine is one the kernel was measured faster on (see the module docstring)."""
+    flags = profiles.cpu_flags()
+    return (device.type == "cpu" and dtype == torch.float32 and {"avx2", "fma"} <= flags
+            and "avx512f" not in flags)
+
+
+def build(out: Path) -> Path:
+    """Compile cpu_gemm.cpp against this torch into `out`, written whole or not at all."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler on PATH")
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as partial:
+        try:
+            subprocess.run([compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", partial.name,
+                            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"],
+                           check=True, capture_output=True, text=True)
+            os.chmod(partial.name, 0o755)
+            os.replace(partial.name, out)
+        except BaseException:
+            Path(partial.name).unlink(missing_ok=True)
+            raise
+    return out
+
+
+def load() -> bool:
+    """Load the kernel, building it first where it is missing and a compiler is at hand; False (once
+    logged) where it cannot be had."""
+    global _loaded
+    if _loaded is None:
+        path = library_path()
+        try:
+            if not path.exists():
+                log.info("compiling the AVX2 fp32 matmul kernel into %s (once per torch version)", path.parent)
+                build(path)
+            torch.ops.load_library(str(path))
+            _loaded = True
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", "") or error
+            log.warning("the AVX2 fp32 matmul kernel is unavailable (%s); matmuls run on oneDNN", detail)
+            _loaded = False
+    return _loaded
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads; zero columns pad the last."""
+    rows, columns = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -rows % PANEL))
+    return padded.view(-1, PANEL, columns).transpose(1, 2).contiguous()
+
+
+def main() -> None:
+    """Build the library into INFERKILN_KERNEL_DIR (an image's build step) and check it loads."""
+    path = build(library_path())
+    torch.ops.load_library(str(path))
+    print(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
