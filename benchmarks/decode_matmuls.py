@@ -76,7 +76,7 @@ def step_function(kernel: str, weights: list):
         from service.engine.llama_graph import ONEDNN, PANELS, linear
         from service.engine.llama_runner import PACK_BATCH_HINT
 
-        layout = PANELS if kernel == "avx2_panels" else ONEDNN
+        layout = PANELS if kernel == "avx2_panels" and cpu_gemm.load() else ONEDNN
         packed = [cpu_gemm.pack(w) if layout == PANELS else torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
                   for w in weights]
         return lambda xs: [linear(x, p, None, layout, w.shape[0]) for x, p, w in zip(xs, packed, weights)]
