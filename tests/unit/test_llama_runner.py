@@ -141,17 +141,18 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
 
 
-def test_only_weights_large_enough_to_gain_are_packed():
+def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
     small, large = torch.randn(384, 128), torch.randn(1536, 512)
-    assert Linear(small, None, pack=True).layout == PLAIN
+    assert Linear(small, None, pack=True).layout == (PANELS if panels_run_here() else PLAIN)
     assert Linear(large, None, pack=True).layout == (PANELS if panels_run_here() else ONEDNN)
+    assert Linear(large, None, pack=False).layout == PLAIN
     x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, pack=True)
     assert torch.allclose(llama_graph.linear(x, packed.weight, None, packed.layout, 1536), x @ large.T, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17, 70])
 @pytest.mark.parametrize("columns, inner", [(1, 7), (23, 64), (24, 64), (25, 33), (100, 768)])
 def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
     if not panels_run_here():
