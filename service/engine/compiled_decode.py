@@ -10,7 +10,9 @@ rotary positions, attention and activation around the matmuls into a few loops.
 It runs one sequence's decode steps; batches stay on the TorchScript graph (see CompiledDecode).
 What it costs: a C++ compiler in the image; C++ compiled at start-up, 70-100 s for the 76M model
 on 2 cores when inductor's cache (TORCHINDUCTOR_CACHE_DIR) is cold, 10-30 s when warm; and
-inductor's copy of the weights (frozen, repacked) beside the oneDNN-packed one the graph runs.
+inductor's copy of the weights (frozen, repacked) beside the packed one the graph runs. On AVX2 CPUs
+the graph's matmuls now run cpu_gemm's kernel, which reads one row nearly as fast as inductor's
+template: there the compiled step gains less (see the README's issue-29 section).
 
 The compiled step reads the KV cache and never writes it: written inside, inductor's functionalised
 in-place write copied the whole cache each step. The current token's key and value join the
@@ -123,9 +125,9 @@ class DecodeStep(torch.nn.Module):
 
 class CompiledDecode:
     """Decode steps of one sequence alone (the latency that `compile_decode` is for) through
-    DecodeStep compiled; batches of several stay on the TorchScript graph, whose packed oneDNN
-    matmuls read the weights faster from a few rows on (76M shape, 2 cores: 26 against 40 ms at
-    8 sequences, 22 against 15 ms at one, in one process).
+    DecodeStep compiled; batches of several stay on the TorchScript graph, whose packed matmuls
+    read the weights faster from a few rows on (76M shape, 2 cores, oneDNN's: 26 against 40 ms at
+    8 sequences, 22 against 15 ms at one, in one process; cpu_gemm's are faster still).
 
     DecodeStep gets plain copies of the fused weights; once compiled, inductor holds its own packed
     constants and the plain copies' memory is released (the tensors keep their shapes, which

@@ -1,12 +1,13 @@
 """fp32 matmuls for the torch engine on AVX2 CPUs: `inferkiln::linear_fp32` (cpu_gemm.cpp).
 
 On a 2-core AMD EPYC (AVX2, no AVX-512) oneDNN's packed fp32 GEMM, which the engine used for every
-weight, read a decode step's 307 MB of weights at about two thirds of the memory's rate with one row
-and ran 8 rows at ~40% of the FMA units' peak. A 4x24 AVX2 tile over weights packed in 24-column
-panels did the 40 matmuls of the 76M shape 1.36-1.50x as fast with one row (at the rate torch's sum
-reads memory), 1.40-1.45x with 8, 1.33-1.40x with 16 and 1.17-1.21x with 128 (`python -m
-benchmarks.decode_matmuls`). It is used where it was measured: fp32 on x86 CPUs with AVX2 and FMA
-but without AVX-512, whose oneDNN kernels it has not been compared with; elsewhere oneDNN stays.
+weight, read a decode step's 307 MB of weights at about 0.7 of the rate torch's sum reads memory
+with one row, and at half of it with 8. A 4x24 AVX2 tile over weights packed in 24-column panels
+(cpu_gemm.cpp) read them at that full rate with one row and with 8 (medians of 3 rounds of the 76M
+shape's 40 matmuls, `python -m benchmarks.decode_matmuls --rows 1,8,16`: 11.8 against 16.1 ms at
+one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). It is used where it was measured: fp32
+on x86 CPUs with AVX2 and FMA but without AVX-512, whose oneDNN kernels it has not been compared
+with; elsewhere oneDNN stays.
 
 The kernel is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
 service.engine.cpu_gemm`), or on first use where a compiler is at hand (the cache below); with

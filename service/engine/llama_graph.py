@@ -14,7 +14,8 @@ every step has new shapes, and re-specialising for them would cost time at rando
 `torch.jit.script` is deprecated (torch 2.13 warns) in favour of `torch.compile`/`torch.export`,
 which on CPU compile C++ at run time, for minutes on a small machine. A profile's `compile_decode`
 runs one sequence's decode steps compiled (service.engine.compiled_decode); everything else stays
-here: it is ready in seconds, and its packed oneDNN matmuls are the faster for batches.
+here: it is ready in seconds, and its packed matmuls (cpu_gemm's on AVX2 CPUs, else oneDNN's) are
+the faster for batches.
 """
 
 from typing import List, Optional, Tuple
