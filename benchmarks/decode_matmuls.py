@@ -43,12 +43,13 @@ def fused_weights(config: dict) -> list:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from service.engine.llama_graph import PLAIN
     from service.engine.llama_runner import LlamaRunner
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config))
     return [linear.weight.detach() for layer in model.model.layers
-            for linear in LlamaRunner._linears(layer, pack=False).values()]
+            for linear in LlamaRunner._linears(layer, PLAIN).values()]
 
 
 def skipped(kernel: str) -> str | None:
@@ -74,12 +75,11 @@ def step_function(kernel: str, weights: list):
     if kernel in ("avx2_panels", "onednn_packed"):
         from service.engine import cpu_gemm
         from service.engine.llama_graph import ONEDNN, PANELS, linear
-        from service.engine.llama_runner import PACK_BATCH_HINT
+        from service.engine.llama_runner import Linear
 
         layout = PANELS if kernel == "avx2_panels" and cpu_gemm.load() else ONEDNN
-        packed = [cpu_gemm.pack(w) if layout == PANELS else torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-                  for w in weights]
-        return lambda xs: [linear(x, p, None, layout, w.shape[0]) for x, p, w in zip(xs, packed, weights)]
+        linears = [Linear(w, None, layout) for w in weights]
+        return lambda xs: [linear(x, m.weight, None, m.layout, m.columns) for x, m in zip(xs, linears)]
     if kernel == "aten_linear":
         return lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]
     if kernel == "openblas":

@@ -79,8 +79,8 @@ class LlamaRunner:
         dynamic = getattr(model.model.rotary_emb, "rope_type", "default") == "dynamic"
         if compile_decode:
             check_can_compile(device, dtype, dynamic)
-        plain = [self._linears(layer, False) for layer in self.layers] if compile_decode else []
-        pack = pack_weights and can_pack(device, dtype)
+        plain = [self._linears(layer, PLAIN) for layer in self.layers] if compile_decode else []
+        pack = packed_layout(device, dtype) if pack_weights else PLAIN
         self.linears = [self._linears(layer, pack) for layer in self.layers]
         self.rope_table = None if dynamic else self._rope_for(max_len)
         empty = torch.empty(0, device=device)
@@ -91,7 +91,7 @@ class LlamaRunner:
         self.compiled = CompiledDecode(self, plain) if compile_decode else None
 
     @staticmethod
-    def _linears(layer, pack: bool) -> dict[str, Linear]:
+    def _linears(layer, pack: int) -> dict[str, Linear]:
         """One matmul for q/k/v and one for gate/up (as vLLM does): fewer ops in every step.
 
         Unpacked, the original modules' weights become views into the fused tensors, so no memory
@@ -206,6 +206,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes("bf16"))
 
 
+def packed_layout(device: torch.device, dtype: torch.dtype) -> int:
+    """The layout packed weights take here, decided once a model: cpu_gemm's panels where that
+    kernel suits the CPU and loads, else oneDNN's where it can pack, else none."""
+    if cpu_gemm.suits(device, dtype) and cpu_gemm.load():
+        return PANELS
+    return ONEDNN if can_pack(device, dtype) else PLAIN
+
+
 class Linear:
     """W and b of x @ W.T + b, with a large W laid out once at load for the kernel that runs it
     (llama_graph.linear): in cpu_gemm's panels where that kernel suits the CPU, else packed for oneDNN.
@@ -217,14 +225,12 @@ class Linear:
     PACK_MIN_ELEMENTS.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, modules=()) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: int, modules=()) -> None:
+        """`pack`: the layout to pack into (packed_layout), or PLAIN. Panels take any size (the tiny
+        model's 8 matmuls ran 1.02-1.36x as fast as F.linear); oneDNN only PACK_MIN_ELEMENTS or more."""
         self.bias = bias
         self.columns = weight.shape[0]
-        self.layout = PLAIN
-        if pack and cpu_gemm.suits(weight.device, weight.dtype) and cpu_gemm.load():
-            self.layout = PANELS  # at any size: the tiny model's 8 matmuls ran 1.02-1.36x as fast as F.linear
-        elif pack and weight.numel() >= PACK_MIN_ELEMENTS:
-            self.layout = ONEDNN
+        self.layout = PLAIN if pack == ONEDNN and weight.numel() < PACK_MIN_ELEMENTS else pack
         if self.layout == PANELS:
             self.weight = cpu_gemm.pack(weight)
         elif self.layout == ONEDNN:

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service import profiles
 from service.engine import cpu_gemm, llama_graph, llama_runner
 from service.engine.llama_graph import ONEDNN, PANELS, PLAIN
-from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack
+from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack, packed_layout
 
 ATOL = 1e-4
 
@@ -145,10 +145,11 @@ def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
     small, large = torch.randn(384, 128), torch.randn(1536, 512)
-    assert Linear(small, None, pack=True).layout == (PANELS if panels_run_here() else PLAIN)
-    assert Linear(large, None, pack=True).layout == (PANELS if panels_run_here() else ONEDNN)
-    assert Linear(large, None, pack=False).layout == PLAIN
-    x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, pack=True)
+    here = packed_layout(torch.device("cpu"), torch.float32)
+    assert Linear(small, None, here).layout == (PANELS if panels_run_here() else PLAIN)
+    assert Linear(large, None, here).layout == (PANELS if panels_run_here() else ONEDNN)
+    assert Linear(large, None, PLAIN).layout == PLAIN
+    x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, here)
     assert torch.allclose(llama_graph.linear(x, packed.weight, None, packed.layout, 1536), x @ large.T, atol=1e-4)
 
 
