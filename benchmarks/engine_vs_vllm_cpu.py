@@ -7,7 +7,8 @@ its CPU install docs; Debian's libtcmalloc-minimal4), from a Python that has vLL
 (`--vllm-python`);
 `vllm_eager` (`--enforce-eager`, a handicapped peer) is shown beside it, labelled, never alone.
 Every server runs on this host at a loopback address, from the same weights in the same dtype; the
-client is NVIDIA AIPerf (`.venv-aiperf`, installed by scripts/setup.sh), closed loop, ignore_eos,
+client is NVIDIA AIPerf (`.venv-aiperf`, installed by scripts/setup.sh), closed loop (its concurrency
+held under a request-rate cap, so that it does not poll a core: benchmarks.common), ignore_eos,
 server token counts:
 - output tok/s, TTFT p50 and inter-token latency p50 at concurrency 1 and 8;
 - a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
