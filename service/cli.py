@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from service.logs import configure_logging
-from service.profiles import SPARE_CORE_FROM, cpu_cores
 from service.settings import Settings, SettingsError, add_settings_arguments, load_settings
 
 log = logging.getLogger("service")
@@ -56,41 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-# OpenMP's threads wait for the next parallel region spinning this many rounds, then sleep. Where
-# the forward pass takes every core (fewer than SPARE_CORE_FROM), libgomp's default (300000) has
-# them spin through everything else between two forward passes, on the cores that the HTTP side
-# and any co-located client (the factory's test stage, a benchmark's AIPerf) need. The 76M model on
-# 2 cores under AIPerf (benchmarks.ngram_speculation, speculation off): c=1 57-60 against 31-33 ms
-# a token, c=8 94 against 151-166 tok/s with 1000; to one light client it cost 2-8% (19.2-19.6
-# against 18.9 ms). From SPARE_CORE_FROM cores on, the HTTP side has a core of its own and the
-# default spin is the faster: sleeping and waking 15 threads each step cost the 76M model a third
-# of its bf16 decode rate on a 16-core Xeon (5.8 against 3.8 ms a step).
-OPENMP_SPIN_ROUNDS = "1000"
-
-
-def openmp_spin(cores: int) -> str | None:
-    """The spin serve sets for the forward pass's threads on `cores` cores; None: libgomp's default."""
-    return OPENMP_SPIN_ROUNDS if cores < SPARE_CORE_FROM else None
-
-
-@contextmanager
-def openmp_spin_rounds(rounds: str | None) -> Iterator[None]:
-    """GOMP_SPINCOUNT for the libgomp that torch loads in this block, unless the user set it (or
-    `rounds` is None); the environment is as before afterwards, so child processes (vLLM's engine)
-    get their own default."""
-    if rounds is None or "GOMP_SPINCOUNT" in os.environ:
-        yield
-        return
-    os.environ["GOMP_SPINCOUNT"] = rounds
-    try:
-        yield
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
 def serve(settings: Settings) -> int:
-    with openmp_spin_rounds(openmp_spin(cpu_cores())):
-        importlib.import_module("torch")  # libgomp reads GOMP_SPINCOUNT once, when torch loads it
     import uvicorn
 
     from service.admission import drain_then_stop

@@ -66,7 +66,7 @@ def gpu_kind(name: str) -> str:
 
 
 # From this many cores on, the torch engine's forward pass leaves one to the HTTP side whatever the
-# model, and libgomp's threads may spin between steps (service.cli). On a 16-core Xeon, the 76M
+# model. On a 16-core Xeon, the 76M
 # model served with a light streaming client on the same machine: 15 threads and libgomp's default
 # spin decoded c=1 in 3.9-4.6 ms a token in bf16 (7.0-8.4 fp32) against 6.6-7.9 (8.6-9.1) with every
 # core and GOMP_SPINCOUNT=1000, and c=8 568-677 tok/s against 518-533 (560-567 against 499-565).

@@ -59,30 +59,3 @@ def test_secrets_are_masked():
     assert "s3cret" not in repr(settings.public_dict())
 
 
-def test_the_openmp_spin_is_set_for_torch_alone_and_a_users_value_wins(monkeypatch):
-    import os
-
-    from service.cli import openmp_spin_rounds
-
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with openmp_spin_rounds("1000"):
-        assert os.environ["GOMP_SPINCOUNT"] == "1000"
-    assert "GOMP_SPINCOUNT" not in os.environ, "child processes (vLLM's engine) keep libgomp's default"
-    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
-    with openmp_spin_rounds("1000"):
-        assert os.environ["GOMP_SPINCOUNT"] == "0"
-    assert os.environ["GOMP_SPINCOUNT"] == "0"
-
-
-def test_the_openmp_threads_sleep_soon_only_where_the_forward_pass_takes_every_core(monkeypatch):
-    import os
-
-    from service.cli import OPENMP_SPIN_ROUNDS, openmp_spin, openmp_spin_rounds
-    from service.profiles import SPARE_CORE_FROM
-
-    assert openmp_spin(2) == OPENMP_SPIN_ROUNDS
-    assert openmp_spin(SPARE_CORE_FROM - 1) == OPENMP_SPIN_ROUNDS
-    assert openmp_spin(SPARE_CORE_FROM) is None, "a spare core for HTTP: libgomp's default spin"
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with openmp_spin_rounds(openmp_spin(16)):
-        assert "GOMP_SPINCOUNT" not in os.environ
