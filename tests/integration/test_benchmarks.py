@@ -1,6 +1,6 @@
-"""The benchmarks that need no image, no vLLM and no AIPerf, run as a user runs them (the others are
-run by hand): a change to the contract's layers, the engine or logging that breaks one fails here,
-not at the next measurement."""
+"""The benchmarks that need no image and no vLLM, run as a user runs them (the others are run by
+hand), and the AIPerf driver the others share: a change to the contract's layers, the engine,
+logging or AIPerf's flags that breaks one fails here, not at the next measurement."""
 
 import json
 import subprocess
@@ -58,3 +58,14 @@ def test_the_decode_matmuls_benchmark_checks_each_kernel_and_writes_its_result(t
             assert kernel[rows]["max_abs_error"] < 1e-4 and kernel[rows]["read_gb_s"] > 0, kernel
             assert kernel[rows]["sum_gb_s"] > 0, kernel
     assert result["machine"]["cpu"]["flags"] is not None and result["threads"] >= 1
+
+
+def test_the_benchmarks_aiperf_driver_holds_its_concurrency_under_the_rate_cap(server, tiny_model_dir, tmp_path):
+    """benchmarks.common.aiperf against the tiny model's server: AIPerf accepts the flags, every
+    request completes with the tokens asked for, and the client's CPU share is reported."""
+    from benchmarks.common import aiperf
+
+    result = aiperf(server.url, "tiny-llama", tiny_model_dir, 2, 6, tmp_path, prompt_tokens=8, output_tokens=8)
+    assert result["output_tokens"] == 8 and result["prompt_tokens"] == 8, result
+    assert result["output_tok_s"] > 0 and result["ttft_p50_ms"] > 0, result
+    assert 0 < result["client_cpu_share"] <= 1, result
