@@ -109,6 +109,8 @@ class LlamaGraph(torch.nn.Module):
     columns: List[int]  # each weight's output features
     norms: List[torch.Tensor]  # per layer: input, post-attention
     lm_bias: Optional[torch.Tensor]
+    lm_layout: int
+    lm_columns: int
     lora_a: List[torch.Tensor]  # per layer: qkv, o, gate_up, down; [in, slots*k*R] (service.engine.lora)
     lora_b: List[torch.Tensor]  # [slots*k*R, out]; empty lists: no adapters
     lora_columns: List[torch.Tensor]  # per fused projection kind: the slot of each column of A
@@ -118,7 +120,7 @@ class LlamaGraph(torch.nn.Module):
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 rope_table: tuple[torch.Tensor, torch.Tensor],
+                 rope_table: tuple[torch.Tensor, torch.Tensor], head,
                  lora: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])) -> None:
         super().__init__()
         self.lora_a, self.lora_b, self.lora_columns = lora
@@ -132,7 +134,7 @@ class LlamaGraph(torch.nn.Module):
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        self.lm_weight, self.lm_bias = model.lm_head.weight, model.lm_head.bias
+        self.lm_weight, self.lm_bias, self.lm_layout, self.lm_columns = head.weight, head.bias, head.layout, head.columns
         self.keys, self.values = keys, values
         self.cos_table, self.sin_table = rope_table
         self.act = model.config.hidden_act
@@ -190,7 +192,8 @@ class LlamaGraph(torch.nn.Module):
         hidden = self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks)
         if len(outputs) < len(token_ids) or outputs != list(range(len(token_ids))):
             hidden = hidden.index_select(0, torch.tensor(outputs, device=device))
-        return F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_weight, self.lm_bias).float()
+        x = rms_norm(hidden, self.final_norm, self.eps)
+        return linear(x, self.lm_weight, self.lm_bias, self.lm_layout, self.lm_columns).float()
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, written: torch.Tensor,
                 attention: List[Tuple[int, int, int, torch.Tensor, Optional[torch.Tensor], bool]],

@@ -141,6 +141,30 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
 
 
+def test_an_untied_lm_head_goes_into_panels_and_a_tied_one_stays_the_embedding(tiny_model_dir):
+    """The head computes the same logits in panels, its original released; the tiny model's head is
+    its embedding table, which panels would copy."""
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    plain = LlamaRunner(LlamaForCausalLM(config).eval(), 16, 4, 64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    packed = LlamaRunner(model, 16, 4, 64, pack_weights=True)
+    assert packed.head.layout == PANELS and plain.head.layout == PLAIN
+    assert model.lm_head.weight.numel() == 0, "the panels are the only copy"
+    with torch.inference_mode():
+        prompt, decode = [([5, 9, 200, 17, 3], [0, 1], 0)], [([299], [0, 1], 5)]
+        assert torch.allclose(packed.forward(prompt), plain.forward(prompt), atol=ATOL)
+        assert torch.allclose(packed.forward(decode), plain.forward(decode), atol=ATOL)
+    tied = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 16, 4, 64, pack_weights=True)
+    assert tied.head.layout == PLAIN
+
+
 def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
