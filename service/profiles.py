@@ -66,13 +66,13 @@ def gpu_kind(name: str) -> str:
 
 
 # From this many cores on, the torch engine's forward pass leaves one to the HTTP side whatever the
-# model. On a 16-core Xeon, the 76M
-# model served with a light streaming client on the same machine: 15 threads and libgomp's default
-# spin decoded c=1 in 3.9-4.6 ms a token in bf16 (7.0-8.4 fp32) against 6.6-7.9 (8.6-9.1) with every
-# core and GOMP_SPINCOUNT=1000, and c=8 568-677 tok/s against 518-533 (560-567 against 499-565).
-# Held to 6 of its cores (taskset), 4 paired rounds: 5 threads with the default spin decoded c=1 in
-# 4.6-6.3 ms in bf16 (7.9-10.6 fp32) against 5.0-7.4 (8.6-9.9) with 6 and spin 1000, faster in 4
-# of 4 pairs (3 of 4 in fp32), c=8 tok/s 0.91-1.37x (median 1.10); held to 4, the pairs split either way.
+# model. On a 16-core Xeon, the 76M model served with a light streaming client on the same machine:
+# 15 threads and libgomp's default spin decoded c=1 in 3.9-4.6 ms a token in bf16 (7.0-8.4 fp32)
+# against 6.6-7.9 (8.6-9.1) with every core and GOMP_SPINCOUNT=1000, and c=8 568-677 tok/s against
+# 518-533 (560-567 against 499-565). Held to 6 of its cores (taskset), 4 paired rounds: 5 threads
+# with the default spin decoded c=1 in 4.6-6.3 ms in bf16 (7.9-10.6 fp32) against 5.0-7.4 (8.6-9.9)
+# with 6 and spin 1000, faster in 4 of 4 pairs (3 of 4 in fp32), c=8 tok/s 0.91-1.37x (median 1.10);
+# held to 4, the pairs split either way.
 SPARE_CORE_FROM = 6
 
 

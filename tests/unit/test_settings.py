@@ -57,5 +57,3 @@ def test_secrets_are_masked():
     settings = load_settings({}, {"NIM_API_KEY": "s3cret"})
     assert settings.api_key == "s3cret"
     assert "s3cret" not in repr(settings.public_dict())
-
-
