@@ -32,7 +32,8 @@ from service import profiles
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+# the matmul, and the decoder layer's small ops fused (cpu_decoder.cpp), in one library
+SOURCES = (Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_decoder.cpp"))
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
@@ -40,6 +41,12 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 # compile where the library is absent (they then never call it).
 _LIBRARY = torch.library.Library("inferkiln", "DEF")
 _LIBRARY.define("linear_fp32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_LIBRARY.define("rms_norm_fp32(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("add_rms_norm_fp32(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("rope_store_fp32(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
+                "Tensor(c!) values, Tensor rows) -> ()")
+_LIBRARY.define("decode_attention_fp32(Tensor qkv, int first, int heads, Tensor keys, Tensor values, Tensor rows, "
+                "Tensor positions, float scale) -> Tensor")
 _loaded: bool | None = None
 
 
@@ -51,8 +58,9 @@ def kernel_dir() -> Path:
 
 
 def library_path(directory: Path | None = None) -> Path:
-    """The library for this source, torch version and compiler flags: a change to any builds anew."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    """The library for these sources, torch version and compiler flags: a change to any builds anew."""
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + torch.__version__.encode()
+                         + " ".join(FLAGS).encode())
     return (directory or kernel_dir()) / f"cpu_gemm-{key.hexdigest()[:16]}.so"
 
 
@@ -64,7 +72,7 @@ def suits(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def build(out: Path) -> Path:
-    """Compile cpu_gemm.cpp against this torch into `out`, written whole or not at all."""
+    """Compile the sources against this torch into `out`, written whole or not at all."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise FileNotFoundError("no C++ compiler on PATH")
@@ -74,8 +82,8 @@ def build(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as partial:
         try:
-            subprocess.run([compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", partial.name,
-                            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"],
+            subprocess.run([compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES),
+                            "-o", partial.name, *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"],
                            check=True, capture_output=True, text=True)
             os.chmod(partial.name, 0o755)
             os.replace(partial.name, out)

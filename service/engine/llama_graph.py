@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from service import profiles
-from service.engine import cpu_gemm  # noqa: F401  (defines inferkiln::linear_fp32, which `linear` may call)
+from service.engine import cpu_gemm  # noqa: F401  (defines the inferkiln ops the graph may call)
 
 # TorchScript's annotations cannot name `Scalar?[]`, the type of oneDNN's `scalars` argument,
 # except in TorchScript source ("number").
@@ -117,6 +117,9 @@ class LlamaGraph(torch.nn.Module):
     # Decode attention (one query a sequence) in fp32 for bf16/fp16 weights on a CPU without AMX for
     # that type (`upcasts_decode_attention`).
     upcast_decodes: bool
+    # The layer's small ops as cpu_decoder.cpp's fused fp32 kernels: where the matmuls run in panels
+    # (fp32 on a CPU the library suits, and loaded).
+    fused: bool
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
@@ -139,6 +142,7 @@ class LlamaGraph(torch.nn.Module):
         self.cos_table, self.sin_table = rope_table
         self.act = model.config.hidden_act
         self.upcast_decodes = upcasts_decode_attention(self.embed.device, self.embed.dtype)
+        self.fused = all(layout == PANELS for layout in self.layouts)
         self.block_size, self.num_layers = block_size, len(layers)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
 
@@ -166,7 +170,7 @@ class LlamaGraph(torch.nn.Module):
         ids = torch.tensor(token_ids, device=device)
         where = torch.tensor(positions, device=device)
         tables = torch.tensor(block_tables, device=device)
-        attention: List[Tuple[int, int, int, torch.Tensor, Optional[torch.Tensor], bool]] = []
+        attention: List[Tuple[int, int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]] = []
         written: List[torch.Tensor] = []
         first_chunk, first_token = 0, 0
         for count, width in groups:
@@ -181,7 +185,7 @@ class LlamaGraph(torch.nn.Module):
             causal = count == 1 and width > 1 and chunk_starts[first_chunk] == 0  # a prompt from its start
             if not causal and (count > 1 or width > 1):  # query i (position start+i) sees positions 0..start+i
                 mask = (span.view(1, 1, end) <= queries.unsqueeze(2)).unsqueeze(1)
-            attention.append((first_token, count, width, rows.flatten(), mask, causal))
+            attention.append((first_token, count, width, rows, queries, mask, causal))
             first_chunk, first_token = first_chunk + count, first_token + count * width
         cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
         cos, sin = cos_table[where].unsqueeze(1), sin_table[where].unsqueeze(1)  # every head
@@ -189,44 +193,75 @@ class LlamaGraph(torch.nn.Module):
         if adapter_slots is not None:
             slots = torch.tensor(adapter_slots, device=device).view(-1, 1)
             masks = [(slots == columns.view(1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
-        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks)
+        x = self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks)
         if len(outputs) < len(token_ids) or outputs != list(range(len(token_ids))):
-            hidden = hidden.index_select(0, torch.tensor(outputs, device=device))
-        x = rms_norm(hidden, self.final_norm, self.eps)
+            x = x.index_select(0, torch.tensor(outputs, device=device))
         return linear(x, self.lm_weight, self.lm_bias, self.lm_layout, self.lm_columns).float()
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, written: torch.Tensor,
-                attention: List[Tuple[int, int, int, torch.Tensor, Optional[torch.Tensor], bool]],
+                attention: List[Tuple[int, int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]],
                 masks: List[torch.Tensor]) -> torch.Tensor:
-        """The decoder layers on `hidden` [tokens, hidden]; `attention` as built by forward."""
-        tokens = hidden.shape[0]
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        """The decoder layers on `hidden` [tokens, hidden], then the final norm; `attention` as built by
+        forward. Each residual add is fused with the norm after it (`_residual`)."""
+        x = self._norm(hidden, self.norms[0])
         for index in range(self.num_layers):
             w = 4 * index
-            x = rms_norm(hidden, self.norms[2 * index], self.eps)
-            qkv = self._project(x, w, masks)
+            attended = self._attend(self._project(x, w, masks), index, cos, sin, written, attention)
+            hidden, x = self._residual(hidden, self._project(attended, w + 1, masks), self.norms[2 * index + 1])
+            gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
+            after = self.norms[2 * index + 2] if index + 1 < self.num_layers else self.final_norm
+            hidden, x = self._residual(hidden, self._project(activation(gate, self.act) * up, w + 3, masks), after)
+        return x
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.inferkiln.rms_norm_fp32(x, weight, self.eps)
+        return rms_norm(x, weight, self.eps)
+
+    def _residual(self, hidden: torch.Tensor, y: torch.Tensor,
+                  weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """hidden + y, and its norm by `weight` (fused: hidden is added to in place)."""
+        if self.fused:
+            return hidden, torch.ops.inferkiln.add_rms_norm_fp32(hidden, y, weight, self.eps)
+        hidden = hidden + y
+        return hidden, rms_norm(hidden, weight, self.eps)
+
+    def _attend(self, qkv: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor, written: torch.Tensor,
+                attention: List[Tuple[int, int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]]
+                ) -> torch.Tensor:
+        """Layer `index`'s attention for the tokens' projected `qkv`: rotary positions, the new keys
+        and values into the cache at the `written` rows, then each group's queries over its rows.
+
+        Fused, a decode group's attention reads each sequence's keys and values where they lie in
+        the cache; SDPA needs them gathered into one tensor first (two copies of the cache a layer)."""
+        tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        keys, values = self.keys[index], self.values[index]
+        if self.fused:
+            torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, heads, kv_heads, keys, values, written)
+            qk = qkv[:, :q_size + kv_size].view(tokens, -1, head_dim)
+        else:
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = rotate(qk.view(tokens, -1, head_dim), cos, sin)  # q's and k's heads at once
-            keys, values = self.keys[index], self.values[index]
             keys.index_copy_(0, written, qk[:, heads:])
             values.index_copy_(0, written, v.view(tokens, kv_heads, head_dim))
-            outs: List[torch.Tensor] = []
-            for first, count, width, rows, mask, causal in attention:
-                q = qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2)
-                # [count, kv_heads, end, head_dim], gathered through the block tables
-                k = keys.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2)
-                v = values.index_select(0, rows).view(count, -1, kv_heads, head_dim).transpose(1, 2)
-                if width == 1 and self.upcast_decodes:
-                    q, k, v = q.float(), k.float(), v.float()
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                                     enable_gqa=True)
-                outs.append(out.transpose(1, 2).reshape(count * width, q_size).to(hidden.dtype))
-            hidden = hidden + self._project(outs[0] if len(outs) == 1 else torch.cat(outs), w + 1, masks)
-            x = rms_norm(hidden, self.norms[2 * index + 1], self.eps)
-            gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
-            hidden = hidden + self._project(activation(gate, self.act) * up, w + 3, masks)
-        return hidden
+        outs: List[torch.Tensor] = []
+        for first, count, width, rows, queries, mask, causal in attention:
+            if width == 1 and self.fused:
+                outs.append(torch.ops.inferkiln.decode_attention_fp32(qkv, first, heads, keys, values, rows, queries,
+                                                                      self.scaling))
+                continue
+            q = qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2)
+            # [count, kv_heads, end, head_dim], gathered through the block tables
+            k = keys.index_select(0, rows.flatten()).view(count, -1, kv_heads, head_dim).transpose(1, 2)
+            v = values.index_select(0, rows.flatten()).view(count, -1, kv_heads, head_dim).transpose(1, 2)
+            if width == 1 and self.upcast_decodes:
+                q, k, v = q.float(), k.float(), v.float()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                                 enable_gqa=True)
+            outs.append(out.transpose(1, 2).reshape(count * width, q_size).to(qkv.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _project(self, x: torch.Tensor, w: int, masks: List[torch.Tensor]) -> torch.Tensor:
         """Fused projection w on x [tokens, in], plus each token's LoRA: ((x @ A) * mask) @ B."""

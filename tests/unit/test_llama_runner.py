@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service import profiles
@@ -204,13 +205,77 @@ def test_avx2_panels_refuse_what_they_cannot_compute():
         torch.ops.inferkiln.linear_fp32(torch.randn(2, 16), packed, 60, None)
 
 
+def test_fused_norms_compute_what_torch_does():
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(1)
+    for rows, width in [(1, 768), (3, 7), (70, 64), (0, 16)]:
+        x, y, weight = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+        assert torch.allclose(torch.ops.inferkiln.rms_norm_fp32(x, weight, 1e-6), F.rms_norm(x, [width], weight, 1e-6),
+                              atol=1e-5)
+        hidden = x.clone()
+        normed = torch.ops.inferkiln.add_rms_norm_fp32(hidden, y, weight, 1e-5)
+        assert torch.allclose(hidden, x + y), "the residual is added in place"
+        assert torch.allclose(normed, F.rms_norm(x + y, [width], weight, 1e-5), atol=1e-5)
+
+
+def test_fused_rotary_and_paged_decode_attention_compute_what_the_aten_ops_do():
+    """Rotary positions and the cache writes against llama_graph.rotate and index_copy_; one query a
+    sequence over rows scattered through the cache (GQA: 2 query heads a key head) against SDPA over
+    the gathered rows, each sequence at its own length."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(2)
+    heads, kv_heads, dim, tokens, cache_rows = 4, 2, 16, 3, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(tokens, 1, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = torch.randn(cache_rows, kv_heads, dim), torch.randn(cache_rows, kv_heads, dim)
+    written = torch.tensor([5, 17, 30])
+    expected_qk = llama_graph.rotate(qkv[:, :(heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys.index_copy_(0, written, expected_qk[:, heads:])
+    expected_values.index_copy_(0, written, qkv[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim))
+    torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, heads, kv_heads, keys, values, written)
+    assert torch.allclose(qkv[:, :(heads + kv_heads) * dim].view(tokens, -1, dim), expected_qk, atol=1e-6)
+    assert torch.allclose(keys, expected_keys, atol=1e-6) and torch.equal(values, expected_values)
+
+    rows = torch.tensor([[8, 9, 10, 11, 0, 1, 2, 5], [20, 21, 22, 23, 24, 25, 26, 17], [30, 31, 0, 0, 0, 0, 0, 0]])
+    positions = torch.tensor([7, 7, 0])  # the last sequence sees its first row alone
+    out = torch.ops.inferkiln.decode_attention_fp32(qkv, 0, heads, keys, values, rows, positions, 0.25)
+    for s in range(tokens):
+        seen = rows[s, :positions[s] + 1]
+        q = qkv[s, :heads * dim].view(1, heads, 1, dim)
+        k, v = (cache.index_select(0, seen).transpose(0, 1).unsqueeze(0) for cache in (keys, values))
+        expected = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+        assert torch.allclose(out[s], expected.flatten(), atol=1e-5), s
+    offset = torch.ops.inferkiln.decode_attention_fp32(qkv, 1, heads, keys, values, rows[1:], positions[1:], 0.25)
+    assert torch.allclose(offset, out[1:]), "`first` picks the group's rows of qkv"
+
+
+def test_fused_kernels_refuse_rows_outside_the_cache():
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    qkv, keys, values = torch.randn(1, 4 * 8), torch.randn(10, 1, 8), torch.randn(10, 1, 8)
+    cos = sin = torch.ones(1, 8)
+    attend = torch.ops.inferkiln.decode_attention_fp32
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, 2, 1, keys, values, torch.tensor([10]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        attend(qkv, 0, 2, keys, values, torch.tensor([[0, -1]]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="beyond its rows"):
+        attend(qkv, 0, 2, keys, values, torch.tensor([[0, 1]]), torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.inferkiln.rms_norm_fp32(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6)
+
+
 def test_the_kernel_is_built_once_and_whole(tmp_path, monkeypatch):
     if not panels_run_here():
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
     monkeypatch.setenv("INFERKILN_KERNEL_DIR", str(tmp_path))
     path = cpu_gemm.build(cpu_gemm.library_path())
     assert path.parent == tmp_path and path.name.startswith("cpu_gemm-") and list(tmp_path.iterdir()) == [path]
-    monkeypatch.setattr(cpu_gemm, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setattr(cpu_gemm, "SOURCES", (*cpu_gemm.SOURCES, tmp_path / "broken.cpp"))
     (tmp_path / "broken.cpp").write_text("this is not C++")
     with pytest.raises(Exception):
         cpu_gemm.build(tmp_path / "cpu_gemm-broken.so")

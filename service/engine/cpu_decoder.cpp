@@ -1,0 +1,213 @@
+// The fp32 decoder layer's small ops fused, beside linear_fp32 (cpu_gemm.cpp) in the same library:
+//   rms_norm_fp32       RMSNorm of each row
+//   add_rms_norm_fp32   the residual add and the next RMSNorm in one pass (hidden += y, in place)
+//   rope_store_fp32     rotary positions on q's and k's heads (in place) and k, v into the paged cache
+//   decode_attention_fp32  one query a sequence over its cache rows, read where they lie
+// Run as aten ops from TorchScript these were ~25 calls a layer (the norm alone 5 kernels, attention
+// a gather of every key and value before SDPA); a c=1 decode step of the 76M shape spent 2-4 ms of
+// its 13-16 ms in them on the 2-core EPYC. Why each exists: llama_graph.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float sum = horizontal_sum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y = y * scale + a * x
+inline void scale_add(float* y, float scale, float a, const float* x, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale), av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_mul_ps(s, _mm256_loadu_ps(y + i))));
+  }
+  for (; i < n; ++i) y[i] = y[i] * scale + a * x[i];
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm computes it in fp32
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float inverse = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inverse);
+}
+
+void check_weight(const at::Tensor& weight, int64_t n) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
+              "weight must be [features], float32");
+}
+
+void check_cache(const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 3 && keys.is_contiguous() &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat && values.is_contiguous(),
+              "keys and values must be one layer's cache, float32");
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
+}
+
+// Rows are independent; threads take at least ~32K elements each (fewer: the team costs more than it saves).
+template <typename F>
+void each_row(int64_t rows, int64_t width, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+at::Tensor rms_norm_fp32(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t n = x.size(1);
+  check_weight(weight, n);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const float *a = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  each_row(x.size(0), n, [&](int64_t r) {
+    norm_row(a + r * x.stride(0), w, c + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_fp32(at::Tensor& hidden, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  check_rows(hidden, "hidden");
+  check_rows(y, "y");
+  TORCH_CHECK(y.sizes() == hidden.sizes(), "y must have hidden's shape");
+  const int64_t n = hidden.size(1);
+  check_weight(weight, n);
+  at::Tensor out = at::empty({hidden.size(0), n}, hidden.options());
+  float* h = hidden.data_ptr<float>();
+  const float *b = y.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  each_row(hidden.size(0), n, [&](int64_t r) {
+    float* row = h + r * hidden.stride(0);
+    const float* add = b + r * y.stride(0);
+    for (int64_t i = 0; i < n; ++i) row[i] += add[i];
+    norm_row(row, w, c + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// One head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]).
+inline void rotate_head(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = x[i], second = x[i + half];
+    x[i] = first * cos[i] - second * sin[i];
+    x[i + half] = second * cos[i + half] + first * sin[i + half];
+  }
+}
+
+void rope_store_fp32(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                     at::Tensor& keys, at::Tensor& values, const at::Tensor& rows) {
+  check_rows(qkv, "qkv");
+  check_cache(keys, values);
+  const int64_t tokens = qkv.size(0), dim = keys.size(2);
+  TORCH_CHECK(keys.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv's width must be (heads + 2 kv_heads) x head_dim");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == tokens &&
+              sin.size(0) == tokens && cos.size(-1) == dim && sin.size(-1) == dim && cos.stride(-1) == 1 &&
+              sin.stride(-1) == 1, "cos and sin must be [tokens, ..., head_dim]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == tokens,
+              "rows must be [tokens] int64");
+  const at::Tensor where = rows.contiguous();
+  const int64_t* row = where.data_ptr<int64_t>();
+  const int64_t cache_rows = keys.size(0), kv_width = kv_heads * dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(row[t] >= 0 && row[t] < cache_rows, "a cache row is out of range");
+  }
+  float* base = qkv.data_ptr<float>();
+  float *k_cache = keys.data_ptr<float>(), *v_cache = values.data_ptr<float>();
+  each_row(tokens, qkv.size(1), [&](int64_t t) {
+    float* x = base + t * qkv.stride(0);
+    const float *c = cos.data_ptr<float>() + t * cos.stride(0), *s = sin.data_ptr<float>() + t * sin.stride(0);
+    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_head(x + h * dim, c, s, dim);
+    std::copy(x + heads * dim, x + heads * dim + kv_width, k_cache + row[t] * kv_width);
+    std::copy(x + heads * dim + kv_width, x + heads * dim + 2 * kv_width, v_cache + row[t] * kv_width);
+  });
+}
+
+at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t heads, const at::Tensor& keys,
+                                 const at::Tensor& values, const at::Tensor& rows, const at::Tensor& positions,
+                                 double scale) {
+  check_rows(qkv, "qkv");
+  check_cache(keys, values);
+  const int64_t kv_heads = keys.size(1), dim = keys.size(2), group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && qkv.size(1) >= heads * dim,
+              "q's heads must be a multiple of the cache's");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && positions.scalar_type() == at::kLong &&
+              positions.numel() == rows.size(0), "rows must be [sequences, span] and positions [sequences], int64");
+  const int64_t count = rows.size(0), span = rows.size(1), cache_rows = keys.size(0);
+  TORCH_CHECK(first >= 0 && first + count <= qkv.size(0), "the sequences' queries must be rows of qkv");
+  const at::Tensor table = rows.contiguous(), where = positions.contiguous();
+  const int64_t *row = table.data_ptr<int64_t>(), *position = where.data_ptr<int64_t>();
+  for (int64_t s = 0; s < count; ++s) {
+    TORCH_CHECK(position[s] >= 0 && position[s] < span, "a position lies beyond its rows");
+    for (int64_t j = 0; j <= position[s]; ++j) {
+      TORCH_CHECK(row[s * span + j] >= 0 && row[s * span + j] < cache_rows, "a cache row is out of range");
+    }
+  }
+  at::Tensor out = at::empty({count, heads * dim}, qkv.options());
+  const float *q = qkv.data_ptr<float>(), *k = keys.data_ptr<float>(), *v = values.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t kv_width = kv_heads * dim;
+  // (sequence, head) pairs are independent; a thread takes at least ~64K multiply-adds of them.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, span * dim));
+  at::parallel_for(0, count * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(span);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / heads, h = task % heads, length = position[s] + 1;
+      const float* query = q + (first + s) * qkv.stride(0) + h * dim;
+      const int64_t* seq_rows = row + s * span;
+      const int64_t head_offset = (h / group) * dim;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < length; ++j) {
+        scores[j] = dot(query, k + seq_rows[j] * kv_width + head_offset, dim) * static_cast<float>(scale);
+        top = std::max(top, scores[j]);
+      }
+      float* result = o + s * heads * dim + h * dim;
+      std::fill(result, result + dim, 0.0f);
+      float total = 0.0f;
+      for (int64_t j = 0; j < length; ++j) {
+        const float p = std::exp(scores[j] - top);
+        total += p;
+        scale_add(result, 1.0f, p, v + seq_rows[j] * kv_width + head_offset, dim);
+      }
+      scale_add(result, 1.0f / total, 0.0f, result, dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// The schemas are defined in cpu_gemm.py, as linear_fp32's is.
+TORCH_LIBRARY_IMPL(inferkiln, CPU, m) {
+  m.impl("rms_norm_fp32", &rms_norm_fp32);
+  m.impl("add_rms_norm_fp32", &add_rms_norm_fp32);
+  m.impl("rope_store_fp32", &rope_store_fp32);
+  m.impl("decode_attention_fp32", &decode_attention_fp32);
+}
