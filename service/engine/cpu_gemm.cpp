@@ -3,7 +3,9 @@
 //
 // Each panel is computed by 4x24 tiles: 12 ymm accumulators, 3 loads of W and 4 broadcasts of x per
 // k, so the FMA units are the bound with several rows and memory is with one. Threads split the
-// panels (at::parallel_for, torch's OpenMP team). Why not oneDNN here: see cpu_gemm.py.
+// panels (torch's OpenMP team), taking them one at a time as each is done rather than a fixed share:
+// on a machine whose cores are shared (a load generator, the event loop), a thread that is preempted
+// mid-matmul would otherwise hold the whole team at the region's end. Why not oneDNN: see cpu_gemm.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -11,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 namespace {
@@ -86,9 +89,10 @@ at::Tensor linear_fp32(const at::Tensor& input, const at::Tensor& packed, int64_
   // shape's matmuls 1.1-1.3x faster; one group, or many, ran as fast or faster unblocked).
   const int64_t block = (M > 4 && M <= 16) ? 32 : K;
   const int64_t ahead = block < K ? block * kPanel : 0;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     alignas(32) float acc[kGroups][4][kPanel];
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = next++; p < panels; p = next++) {
       const float* wp = w + p * K * kPanel;
       const int64_t cols = std::min(kPanel, n - p * kPanel);
       for (int64_t m0 = 0; m0 < M; m0 += 4 * kGroups) {
