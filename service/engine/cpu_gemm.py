@@ -9,7 +9,11 @@ one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). It is used where it w
 on x86 CPUs with AVX2 and FMA but without AVX-512, whose oneDNN kernels it has not been compared
 with; elsewhere oneDNN stays.
 
-The kernel is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
+The same library holds the decoder layer's small ops, fused (cpu_decoder.cpp: the norms, the
+residual adds, rotary positions with the cache writes, decode attention over the paged cache). The
+graph runs them where its matmuls run in panels (llama_graph.LlamaGraph.fused).
+
+The library is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
 service.engine.cpu_gemm`), or on first use where a compiler is at hand (the cache below); with
 neither, the engine runs oneDNN and says so.
 """
