@@ -186,7 +186,8 @@ class LlamaGraph(torch.nn.Module):
             written.append(rows.gather(1, queries).flatten())
             mask: Optional[torch.Tensor] = None  # one query sees every key
             causal = count == 1 and width > 1 and chunk_starts[first_chunk] == 0  # a prompt from its start
-            if not causal and (count > 1 or width > 1):  # query i (position start+i) sees positions 0..start+i
+            fused_decode = self.fused and width == 1  # its kernel reads each sequence's own length
+            if not causal and not fused_decode and (count > 1 or width > 1):  # query i sees positions 0..start+i
                 mask = (span.view(1, 1, end) <= queries.unsqueeze(2)).unsqueeze(1)
             attention.append((first_token, count, width, rows, queries, mask, causal))
             first_chunk, first_token = first_chunk + count, first_token + count * width
