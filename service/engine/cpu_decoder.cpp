@@ -38,14 +38,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// y = y * scale + a * x
-inline void scale_add(float* y, float scale, float a, const float* x, int64_t n) {
-  const __m256 s = _mm256_set1_ps(scale), av = _mm256_set1_ps(a);
+// y += a * x
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_mul_ps(s, _mm256_loadu_ps(y + i))));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   }
-  for (; i < n; ++i) y[i] = y[i] * scale + a * x[i];
+  for (; i < n; ++i) y[i] += a * x[i];
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm computes it in fp32
@@ -194,9 +194,9 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
       for (int64_t j = 0; j < length; ++j) {
         const float p = std::exp(scores[j] - top);
         total += p;
-        scale_add(result, 1.0f, p, v + seq_rows[j] * kv_width + head_offset, dim);
+        axpy(result, p, v + seq_rows[j] * kv_width + head_offset, dim);
       }
-      scale_add(result, 1.0f / total, 0.0f, result, dim);
+      for (int64_t i = 0; i < dim; ++i) result[i] /= total;
     }
   });
   return out;
