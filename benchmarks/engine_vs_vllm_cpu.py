@@ -13,10 +13,10 @@ server token counts:
 - output tok/s, TTFT p50 and inter-token latency p50 at concurrency 1 and 8;
 - a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
   concurrency 4, with the torch engine's prefix caching on and off, and vLLM's on;
-- the machine's read bandwidth (torch reading a 1 GiB tensor, every core) and the bytes a c=1
-  decode step reads (every weight but the embedding table, one row of which is gathered, and the
-  KV cache at the run's mean context): their quotient bounds decode tokens/s, and each engine's
-  c=1 decode rate (1 / inter-token latency) is reported as a fraction of that limit;
+- the machine's read bandwidth (torch reading a 1 GiB tensor on 2 MB pages, every core) and the
+  bytes a c=1 decode step reads (every weight but the embedding table, one row of which is
+  gathered, and the KV cache at the run's mean context): their quotient bounds decode tokens/s,
+  and each engine's c=1 decode rate (1 / inter-token latency) is reported as a fraction of it;
 - the torch engine with its compiled decode step too (`torch_compiled`: a profile with
   `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
@@ -68,11 +68,14 @@ PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 
 def read_bandwidth(gib: int = 1, tries: int = 7) -> float:
     """Bytes per second torch reads from memory with every core (the best of `tries` sums of a
-    tensor far larger than the caches): what a decode step that reads every weight can approach."""
+    tensor far larger than the caches, on 2 MB pages as the engine's weights are where Linux offers
+    them): what a decode step that reads every weight can approach."""
     import torch
 
+    from service.engine import huge_pages
+
     torch.set_num_threads(cpu_cores())
-    data = torch.ones(gib * 2**28)  # fp32
+    data = huge_pages.empty((gib * 2**28,), torch.float32).fill_(1)
     best = float("inf")
     for _ in range(tries):
         began = time.perf_counter()

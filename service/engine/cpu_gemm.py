@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from service import profiles
+from service.engine import huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,12 @@ def load() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads; zero columns pad the last."""
+    """W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads, on 2 MB pages where Linux offers
+    them (service.engine.huge_pages); zero columns pad the last."""
     rows, columns = weight.shape
     padded = F.pad(weight, (0, 0, 0, -rows % PANEL))
-    return padded.view(-1, PANEL, columns).transpose(1, 2).contiguous()
+    panels = huge_pages.empty((padded.shape[0] // PANEL, columns, PANEL), weight.dtype)
+    return panels.copy_(padded.view(-1, PANEL, columns).transpose(1, 2))
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.engine.compiled_decode import CompiledDecode, check_can_compile
-from service.engine import cpu_gemm
+from service.engine import cpu_gemm, huge_pages
 from service.engine.llama_graph import ACTIVATIONS, ONEDNN, PANELS, PLAIN, LlamaGraph
 from service.engine.lora import LoraPool
 from service.profiles import cpu_computes
@@ -130,9 +130,16 @@ class LlamaRunner:
         return Linear(head.weight, head.bias, PANELS, () if keep else (head,))
 
     def matmul_kernels(self) -> str:
-        """What runs the layers' matmuls, for the engine's start-up log."""
+        """What runs the layers' matmuls, and how much of their weights lie on 2 MB pages (cpu_gemm.pack's;
+        service.engine.huge_pages), for the engine's start-up log."""
         names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: "cpu_gemm's AVX2 panels"}
-        return ", ".join(sorted({names[linear.layout] for layer in self.linears for linear in layer.values()}))
+        linears = [linear for layer in self.linears for linear in layer.values()] + [self.head]
+        kernels = ", ".join(sorted({names[linear.layout] for linear in linears[:-1]}))
+        if self.device.type != "cpu":
+            return kernels
+        weights = [linear.weight for linear in linears]
+        size = sum(weight.numel() * weight.element_size() for weight in weights)
+        return f"{kernels}; {huge_pages.huge_bytes(weights) / 2**20:.0f} of {size / 2**20:.0f} MiB on 2 MB pages"
 
     @property
     def bytes_per_block(self) -> int:
