@@ -179,7 +179,7 @@ def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17, 70])
-@pytest.mark.parametrize("columns, inner", [(1, 7), (23, 64), (24, 64), (25, 33), (100, 768)])
+@pytest.mark.parametrize("columns, inner", [(1, 7), (23, 64), (24, 64), (25, 33), (70, 16), (100, 768), (200, 40)])
 def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
     if not panels_run_here():
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
@@ -191,6 +191,8 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x, packed, columns, None), expected, atol=1e-4)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x.transpose(0, 1), packed, columns, bias),
                           (expected + bias).transpose(0, 1), atol=1e-4), "non-contiguous input, bias"
+    one = x[:1, :1]  # one row: its own path, 4 panels at a time (1-9 panels here: each remainder)
+    assert torch.allclose(torch.ops.inferkiln.linear_fp32(one, packed, columns, bias), one @ weight.T + bias, atol=1e-4)
 
 
 def test_avx2_panels_refuse_what_they_cannot_compute():
