@@ -13,8 +13,8 @@ server token counts:
 - output tok/s, TTFT p50 and inter-token latency p50 at concurrency 1 and 8;
 - a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
   concurrency 4, with the torch engine's prefix caching on and off, and vLLM's on;
-- the machine's read bandwidth (torch reading a 1 GiB tensor on 2 MB pages, every core), measured
-  just before each c=1 run, and the bytes a c=1 decode step reads (every weight but the embedding
+- the machine's read bandwidth (the best of torch's sum and a reader of several streams a core,
+  benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before each c=1 run, and the bytes a c=1 decode step reads (every weight but the embedding
   table, one row of which is gathered, and the KV cache at the run's mean context): their quotient
   bounds decode tokens/s, and each engine's c=1 decode rate (1 / inter-token latency) is reported
   as a fraction of its run's bound (and once, on 4 KB pages, what the pages are worth);
@@ -46,10 +46,13 @@ import contextlib
 import itertools
 import json
 import math
+import os
+import shutil
 import statistics
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from benchmarks.common import (AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, vllm_cpu_preload, vllm_on_host,
@@ -68,10 +71,11 @@ PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def read_bandwidth(gib: int = 1, tries: int = 7, huge: bool = True) -> float:
-    """Bytes per second torch reads from memory with every core (the best of `tries` sums of a
-    tensor far larger than the caches, on 2 MB pages as the engine's weights are where Linux offers
-    them; `huge` False: on torch's own 4 KB pages): what a decode step that reads every weight can
-    approach."""
+    """Bytes per second the machine's memory gives up to a reader on every core: the best of `tries`
+    torch sums of a tensor far larger than the caches and of benchmarks/stream_read.c's readers
+    (several streams a core, which read faster than torch's sum), on 2 MB pages as the engine's
+    weights are where Linux offers them (`huge` False: on 4 KB pages). What a decode step that reads
+    every weight can approach."""
     import torch
 
     from service.engine import huge_pages
@@ -83,7 +87,25 @@ def read_bandwidth(gib: int = 1, tries: int = 7, huge: bool = True) -> float:
         began = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - began)
-    return data.numel() * data.element_size() / best
+    summed = data.numel() * data.element_size() / best
+    del data
+    return max([summed, *stream_reads(gib, tries, huge).values()])
+
+
+def stream_reads(gib: int, tries: int, huge: bool) -> dict[int, float]:
+    """Bytes per second by streams a core, from benchmarks/stream_read.c compiled here and run in a
+    process of its own; empty (with a warning) where no C compiler is at hand."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler: the read bandwidth is torch's sum alone")
+        return {}
+    with tempfile.TemporaryDirectory() as work:
+        program = Path(work) / "stream_read"
+        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", str(Path(__file__).with_name("stream_read.c")),
+                        "-o", str(program)], check=True, capture_output=True)
+        out = subprocess.run([str(program), str(gib), str(tries), *([] if huge else ["4k"])], check=True,
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(cpu_cores())})
+    return {int(streams): float(rate) for streams, rate in (line.split() for line in out.stdout.splitlines())}
 
 
 def decode_step_bytes(model_dir: Path, element_size: int, context: int) -> int:
