@@ -7,7 +7,9 @@ with one row, and at half of it with 8. A 4x24 AVX2 tile over weights packed in 
 shape's 40 matmuls, `python -m benchmarks.decode_matmuls --rows 1,8,16`: 11.8 against 16.1 ms at
 one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). It is used where it was measured: fp32
 on x86 CPUs with AVX2 and FMA but without AVX-512, whose oneDNN kernels it has not been compared
-with; elsewhere oneDNN stays.
+with; elsewhere oneDNN stays. One row (a c=1 decode step) runs against 4 adjacent panels at once:
+with one stream of W a core the 40 matmuls read 0.91 of the rate torch's sum reads their bytes as
+one tensor, with four 0.99-1.01 (in one process, alternating; see the README's issue-29 section).
 
 The same library holds the decoder layer's small ops, fused (cpu_decoder.cpp: the norms, the
 residual adds, rotary positions with the cache writes, decode attention over the paged cache). The
