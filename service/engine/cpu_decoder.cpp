@@ -3,6 +3,8 @@
 //   add_rms_norm_fp32   the residual add and the next RMSNorm in one pass (hidden += y, in place)
 //   rope_store_fp32     rotary positions on q's and k's heads (in place) and k, v into the paged cache
 //   decode_attention_fp32  one query a sequence over its cache rows, read where they lie
+//   decode_layers_fp32  every layer of a decode step (one token a sequence), these and the matmuls
+//                       called from here: one call from the graph instead of ~15 a layer
 // Run as aten ops from TorchScript these were ~25 calls a layer (the norm alone 5 kernels, attention
 // a gather of every key and value before SDPA); a c=1 decode step of the 76M shape spent 2-4 ms of
 // its 13-16 ms in them on the 2-core EPYC. Why each exists: llama_graph.py.
@@ -16,6 +18,11 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+namespace inferkiln {
+at::Tensor linear_fp32(const at::Tensor& input, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias);  // cpu_gemm.cpp
+}  // namespace inferkiln
 
 namespace {
 
@@ -202,6 +209,43 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
   return out;
 }
 
+
+// The decoder layers for one token a sequence (llama_graph.LlamaGraph._layers' fused decode, the
+// same kernels in the same order, so the same floats): `hidden` [sequences, hidden] is the
+// embedding, added to in place; returns the final norm of the last layer's output. Weights are 4
+// a layer (qkv, o, gate_up, down) in panels, norms 2 a layer; keys/values [layers, rows, kv_heads,
+// head_dim]; `written` the cache row of each new token, `rows` [sequences, span] and `positions`
+// as decode_attention_fp32 takes them. The activation is SiLU (the caller's check).
+at::Tensor decode_layers_fp32(at::Tensor& hidden, at::TensorList weights, at::IntArrayRef columns,
+                              const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList norms,
+                              const at::Tensor& final_norm, double eps, at::Tensor& keys, at::Tensor& values,
+                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& written,
+                              const at::Tensor& rows, const at::Tensor& positions, int64_t heads, double scale) {
+  const int64_t layers = keys.size(0);
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(), "keys and values must be [layers, rows, kv_heads, dim]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(columns.size()) == 4 * layers &&
+                  static_cast<int64_t>(biases.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers,
+              "4 weights and 2 norms a layer");
+  const int64_t kv_heads = keys.size(2);
+  auto linear = [&](const at::Tensor& x, int64_t w) {
+    return inferkiln::linear_fp32(x, weights[w], columns[w], biases.get(w));
+  };
+  at::Tensor x = rms_norm_fp32(hidden, norms[0], eps);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t w = 4 * layer;
+    at::Tensor k = keys.select(0, layer), v = values.select(0, layer);
+    at::Tensor qkv = linear(x, w);
+    rope_store_fp32(qkv, cos, sin, heads, kv_heads, k, v, written);
+    x = add_rms_norm_fp32(hidden, linear(decode_attention_fp32(qkv, 0, heads, k, v, rows, positions, scale), w + 1),
+                          norms[2 * layer + 1], eps);
+    const at::Tensor gate_up = linear(x, w + 2);
+    const int64_t half = gate_up.size(1) / 2;
+    const at::Tensor mixed = at::silu(gate_up.narrow(1, 0, half)).mul_(gate_up.narrow(1, half, half));
+    x = add_rms_norm_fp32(hidden, linear(mixed, w + 3), layer + 1 < layers ? norms[2 * layer + 2] : final_norm, eps);
+  }
+  return x;
+}
+
 }  // namespace
 
 // The schemas are defined in cpu_gemm.py, as linear_fp32's is.
@@ -210,4 +254,5 @@ TORCH_LIBRARY_IMPL(inferkiln, CPU, m) {
   m.impl("add_rms_norm_fp32", &add_rms_norm_fp32);
   m.impl("rope_store_fp32", &rope_store_fp32);
   m.impl("decode_attention_fp32", &decode_attention_fp32);
+  m.impl("decode_layers_fp32", &decode_layers_fp32);
 }

@@ -156,6 +156,10 @@ void row_groups(const float* a, const float* w, int64_t K, int64_t M, int64_t pa
   });
 }
 
+}  // namespace
+
+namespace inferkiln {
+
 at::Tensor linear_fp32(const at::Tensor& input, const at::Tensor& packed, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "linear_fp32 takes float32");
@@ -180,10 +184,10 @@ at::Tensor linear_fp32(const at::Tensor& input, const at::Tensor& packed, int64_
   return out;
 }
 
-}  // namespace
+}  // namespace inferkiln
 
 // The schema is defined in cpu_gemm.py (so that TorchScript can compile a call to it where this
 // library is not loaded); this registers the kernel.
 TORCH_LIBRARY_IMPL(inferkiln, CPU, m) {
-  m.impl("linear_fp32", &linear_fp32);
+  m.impl("linear_fp32", &inferkiln::linear_fp32);
 }

@@ -54,6 +54,9 @@ _LIBRARY.define("rope_store_fp32(Tensor(a!) qkv, Tensor cos, Tensor sin, int hea
                 "Tensor(c!) values, Tensor rows) -> ()")
 _LIBRARY.define("decode_attention_fp32(Tensor qkv, int first, int heads, Tensor keys, Tensor values, Tensor rows, "
                 "Tensor positions, float scale) -> Tensor")
+_LIBRARY.define("decode_layers_fp32(Tensor(a!) hidden, Tensor[] weights, int[] columns, Tensor?[] biases, Tensor[] norms, "
+                "Tensor final_norm, float eps, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
+                "Tensor written, Tensor rows, Tensor positions, int heads, float scale) -> Tensor")
 _loaded: bool | None = None
 
 

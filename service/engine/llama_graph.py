@@ -206,7 +206,16 @@ class LlamaGraph(torch.nn.Module):
                 attention: List[Tuple[int, int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]],
                 masks: List[torch.Tensor]) -> torch.Tensor:
         """The decoder layers on `hidden` [tokens, hidden], then the final norm; `attention` as built by
-        forward. Each residual add is fused with the norm after it (`_residual`)."""
+        forward. Each residual add is fused with the norm after it (`_residual`).
+
+        Fused, a step of decodes alone (one group of width 1, no adapters, SiLU) runs every layer in one
+        call (cpu_decoder.cpp's decode_layers_fp32: the same kernels in the same order, without the
+        interpreter between them)."""
+        if self.fused and len(attention) == 1 and attention[0][2] == 1 and len(masks) == 0 and self.act == "silu":
+            rows, positions = attention[0][3], attention[0][4]
+            return torch.ops.inferkiln.decode_layers_fp32(hidden, self.weights, self.columns, self.biases, self.norms,
+                                                          self.final_norm, self.eps, self.keys, self.values, cos, sin,
+                                                          written, rows, positions, self.num_heads, self.scaling)
         x = self._norm(hidden, self.norms[0])
         for index in range(self.num_layers):
             w = 4 * index

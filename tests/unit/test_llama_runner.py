@@ -142,6 +142,31 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
 
 
+def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logits(tiny_model_dir, setup, monkeypatch):
+    tokenizer, _, _ = setup
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+    monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)
+    packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+
+    def ran(chunks) -> tuple[torch.Tensor, set[str]]:
+        with torch.inference_mode(), torch.profiler.profile() as profile:
+            logits = packed.forward(chunks)
+        return logits, {event.name for event in profile.events()}
+
+    with torch.inference_mode():
+        packed.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
+    decode = ([5], [0, 1, 2, 3, 4, 5], len(a))
+    alone, alone_ops = ran([decode])
+    packed.rezero()  # the mixed step writes the decode's key and value again
+    with torch.inference_mode():
+        packed.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
+    mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
+    assert "inferkiln::decode_layers_fp32" in alone_ops and "inferkiln::decode_layers_fp32" not in mixed_ops
+    assert torch.allclose(alone[0], mixed[0], atol=1e-5, rtol=0)
+
+
 def test_an_untied_lm_head_goes_into_panels_and_a_tied_one_stays_the_embedding(tiny_model_dir):
     """The head computes the same logits in panels, its original released; the tiny model's head is
     its embedding table, which panels would copy."""
