@@ -14,8 +14,9 @@ server token counts:
 - a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
   concurrency 4, with the torch engine's prefix caching on and off, and vLLM's on;
 - the machine's read bandwidth (the best of torch's sum and a reader of several streams a core,
-  benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before each c=1 run, and the bytes a c=1 decode step reads (every weight but the embedding
-  table, one row of which is gathered, and the KV cache at the run's mean context): their quotient
+  benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before each c=1
+  run, and the bytes a c=1 decode step reads (every weight but the embedding table, one row of
+  which is gathered, and the KV cache at the run's mean context): their quotient
   bounds decode tokens/s, and each engine's c=1 decode rate (1 / inter-token latency) is reported
   as a fraction of its run's bound (and once, on 4 KB pages, what the pages are worth);
 - the torch engine with its compiled decode step too (`torch_compiled`: a profile with

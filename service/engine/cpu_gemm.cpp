@@ -4,7 +4,8 @@
 // Each panel is computed by 4x24 tiles: 12 ymm accumulators, 3 loads of W and 4 broadcasts of x per
 // k, so the FMA units are the bound with several rows and memory is with one. One row (a decode step
 // of one sequence) is computed against 4 adjacent panels at once instead: 4 streams of W in flight
-// per core read memory faster than one (see row_tile). Threads split the panels (torch's OpenMP team), taking them one at a time as each is done rather than a fixed share:
+// per core read memory faster than one (see row_tile). Threads split the panels (torch's OpenMP
+// team), taking them a panel (one row: 4 panels) at a time as each is done rather than a fixed share:
 // on a machine whose cores are shared (a load generator, the event loop), a thread that is preempted
 // mid-matmul would otherwise hold the whole team at the region's end. Why not oneDNN: see cpu_gemm.py.
 #include <ATen/ATen.h>

@@ -133,10 +133,11 @@ class LlamaRunner:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
         them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log."""
         names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: "cpu_gemm's AVX2 panels"}
-        kernels = ", ".join(sorted({names[linear.layout] for layer in self.linears for linear in layer.values()}))
+        linears = [linear for layer in self.linears for linear in layer.values()]
+        kernels = ", ".join(sorted({names[linear.layout] for linear in linears}))
         if self.device.type != "cpu" or not huge_pages.offered():
             return kernels
-        weights = [linear.weight for layer in self.linears for linear in layer.values()] + [self.head.weight]
+        weights = [linear.weight for linear in linears] + [self.head.weight]
         size = sum(weight.numel() * weight.element_size() for weight in weights)
         return f"{kernels}; {huge_pages.huge_bytes(weights) / 2**20:.0f} of {size / 2**20:.0f} MiB on 2 MB pages"
 
