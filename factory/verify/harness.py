@@ -194,6 +194,7 @@ def slo_gates(performance: dict[int, dict], slo: dict[str, float | None]) -> lis
             gates.append(Gate(id=f"slo.{name}@{level}", passed=ok,
                               detail=f"{value if value is None else round(value, 1)} ms (limit {limit} ms)"))
     for level, summary in performance.items():
-        errors = summary["error_request_count"]["avg"]
-        gates.append(Gate(id=f"perf.errors@{level}", passed=errors == 0, detail=f"{errors} failed requests"))
+        errors, retried = summary["error_request_count"]["avg"], summary["retried_request_count"]["avg"]
+        gates.append(Gate(id=f"perf.errors@{level}", passed=errors == 0,
+                          detail=f"{errors} failed requests, {retried} sent again after a closed connection"))
     return gates

@@ -43,6 +43,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: str | None = None
     code: int | None = None  # the HTTP status of a failed request
+    retried: bool = False  # the first connection closed before any response, and the request was sent again
 
     @property
     def inter_token_latency(self) -> float | None:
@@ -86,9 +87,7 @@ async def one_request(http: aiohttp.ClientSession, settings: LoadSettings, index
     record = RequestRecord(start=time.perf_counter(), index=index)
     last = None
     try:
-        # the timeout bounds connecting and each wait for bytes, not the whole stream: a long one is no error
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.timeout, sock_read=settings.timeout)
-        async with http.post("/v1/completions", json=body, timeout=timeout) as response:
+        async with await _post(http, settings, body, record) as response:
             if response.status != 200:
                 record.code = response.status
                 record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
@@ -114,6 +113,22 @@ async def one_request(http: aiohttp.ClientSession, settings: LoadSettings, index
     finally:
         record.end = time.perf_counter()
     return record
+
+
+async def _post(http: aiohttp.ClientSession, settings: LoadSettings, body: dict,
+                record: RequestRecord) -> aiohttp.ClientResponse:
+    """The response's start. A connection closed before any answer (a pooled one the server shut as
+    the request went out) is sent once more, as the openai client does (it tries twice), and the
+    record says so (retried_request_count); a failed second try is an error, as is a refused connect."""
+    # the timeout bounds connecting and each wait for bytes, not the whole stream: a long one is no error
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.timeout, sock_read=settings.timeout)
+    try:
+        return await http.post("/v1/completions", json=body, timeout=timeout)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError):  # nothing was sent
+            raise
+        record.retried = True
+        return await http.post("/v1/completions", json=body, timeout=timeout)
 
 
 async def run_load(base_url: str, settings: LoadSettings) -> tuple[list[RequestRecord], float]:
@@ -190,6 +205,7 @@ def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float | 
         "good_request_count": {"unit": "requests", "avg": len(good)},
         "request_count": {"unit": "requests", "avg": len(ok)},
         "error_request_count": {"unit": "requests", "avg": len(records) - len(ok)},
+        "retried_request_count": {"unit": "requests", "avg": sum(r.retried for r in records)},
         "total_output_tokens": {"unit": "tokens", "avg": output},
         "total_isl": {"unit": "tokens", "avg": sum(r.input_tokens for r in ok)},
         "benchmark_duration": {"unit": "sec", "avg": wall},
