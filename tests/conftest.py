@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -19,14 +21,42 @@ from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess, free_port
 
 
+# Every test session on the machine holds this file shared; the last one to end cleans up.
+SESSIONS_LOCK = Path(tempfile.gettempdir()) / "inferkiln-test-sessions.lock"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def images_built_are_removed() -> Iterator[None]:
     """CI runs on a long-lived machine, and one run builds some 20 images (1.7 to 8 GB each):
-    without this, their layers fill its disk within a few runs."""
+    without this, their layers fill its disk within a few runs. A session that ends while another
+    runs (a developer's unit tests beside CI) leaves the images for the last session to remove, with
+    its own start time in the lock file: removing them would take images from under the other's tests."""
     started = int(time.time())
-    yield
-    if docker_up():
-        remove_images_built_since(started)
+    with SESSIONS_LOCK.open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
+        if not last_session(lock):
+            lock.seek(0)
+            earlier = [int(line) for line in lock.read().split()]
+            lock.write(f"{min([started, *earlier])}\n")
+            lock.flush()
+            fcntl.flock(lock, fcntl.LOCK_UN)  # the others may have ended meanwhile: one more try
+            if not last_session(lock):
+                return
+        lock.seek(0)
+        since = min([started, *(int(line) for line in lock.read().split())])
+        if docker_up():
+            remove_images_built_since(since)
+        lock.truncate(0)
+
+
+def last_session(lock) -> bool:
+    """Whether no other test session holds the lock (this one then holds it alone)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def current_base_images() -> set[str]:
