@@ -63,7 +63,7 @@ def skipped(kernel: str) -> str | None:
         from service.engine import cpu_gemm
 
         if not cpu_gemm.suits(torch.device("cpu"), torch.float32):
-            return "the CPU is not one the AVX2 kernel is for (x86 with AVX2 and FMA, without AVX-512)"
+            return "the CPU is not one the AVX2 kernel is chosen on (cpu_gemm.suits: x86 with AVX2 and FMA, AMD's or without AVX-512)"
         if not cpu_gemm.load():
             return "the AVX2 kernel could not be built here (no C++ compiler?)"
     return None

@@ -82,14 +82,24 @@ def cpu_cores() -> int:
 
 
 @cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo); none where it cannot be read."""
+def cpuinfo_field(name: str) -> str:
+    """A field of the first CPU in Linux's /proc/cpuinfo; empty where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    line = next((line for line in text.splitlines() if line.partition(":")[0].strip() == name), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo); none where it cannot be read."""
+    return frozenset(cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it ("AuthenticAMD", "GenuineIntel"); empty where unknown."""
+    return cpuinfo_field("vendor_id")
 
 
 def cpu_computes(precision: str) -> bool:

@@ -5,9 +5,11 @@ weight, read a decode step's 307 MB of weights at about 0.7 of the rate torch's 
 with one row, and at half of it with 8. A 4x24 AVX2 tile over weights packed in 24-column panels
 (cpu_gemm.cpp) read them at that full rate with one row and with 8 (medians of 3 rounds of the 76M
 shape's 40 matmuls, `python -m benchmarks.decode_matmuls --rows 1,8,16`: 11.8 against 16.1 ms at
-one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). It is used where it was measured: fp32
-on x86 CPUs with AVX2 and FMA but without AVX-512, whose oneDNN kernels it has not been compared
-with; elsewhere oneDNN stays. One row (a c=1 decode step) runs against 4 adjacent panels at once:
+one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). On a 2-core AMD EPYC with AVX-512
+(AVX512-BF16: Zen 4), where oneDNN runs its AVX-512 kernels, it was faster too (in one process,
+alternating: 9.1 against 14.0 ms at one row, 13.2 against 15.0 at 8). It is used where it was
+measured: fp32 on x86 CPUs with AVX2 and FMA, AMD's with or without AVX-512, others without; on
+Intel's AVX-512 CPUs, whose oneDNN kernels it has not been compared with, oneDNN stays. One row (a c=1 decode step) runs against 4 adjacent panels at once:
 with one stream of W a core the 40 matmuls read 0.91 of the rate torch's sum reads their bytes as
 one tensor, with four 0.99-1.01 (in one process, alternating; see the README's issue-29 section).
 
@@ -74,11 +76,15 @@ def library_path(directory: Path | None = None) -> Path:
     return (directory or kernel_dir()) / f"cpu_gemm-{key.hexdigest()[:16]}.so"
 
 
+def runs_here() -> bool:
+    """Whether this CPU can run the kernel at all: x86 with AVX2 and FMA."""
+    return {"avx2", "fma"} <= profiles.cpu_flags()
+
+
 def suits(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this machine is one the kernel was measured faster on (see the module docstring)."""
-    flags = profiles.cpu_flags()
-    return (device.type == "cpu" and dtype == torch.float32 and {"avx2", "fma"} <= flags
-            and "avx512f" not in flags)
+    return (device.type == "cpu" and dtype == torch.float32 and runs_here()
+            and ("avx512f" not in profiles.cpu_flags() or profiles.cpu_vendor() == "AuthenticAMD"))
 
 
 def build(out: Path) -> Path:

@@ -119,7 +119,17 @@ def test_what_the_runner_cannot_compute_is_refused(setup, field, value):
 
 
 def panels_run_here() -> bool:
-    return cpu_gemm.suits(torch.device("cpu"), torch.float32) and cpu_gemm.load()
+    """Whether this CPU can run the library (x86 with AVX2 and FMA), whether or not the engine
+    chooses it here (cpu_gemm.suits): its arithmetic is checked wherever it can run."""
+    return cpu_gemm.runs_here() and cpu_gemm.load()
+
+
+@pytest.fixture
+def panels_chosen(monkeypatch):
+    """The engine lays fp32 weights out in panels here, as on the CPUs the kernel suits."""
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
+    monkeypatch.setattr(cpu_gemm, "suits", lambda device, dtype: device.type == "cpu" and dtype == torch.float32)
 
 
 @pytest.mark.parametrize("layout", [ONEDNN, PANELS], ids=["onednn", "avx2-panels"])
@@ -128,7 +138,7 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("torch has no oneDNN here")
     if layout == PANELS and not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are below it
     monkeypatch.setattr(cpu_gemm, "suits", lambda device, dtype: layout == PANELS)
     packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
@@ -142,10 +152,9 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
         assert torch.allclose(packed.forward(decode), runner.forward(decode), atol=ATOL)
 
 
-def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logits(tiny_model_dir, setup, monkeypatch):
+def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logits(tiny_model_dir, setup, monkeypatch,
+                                                                                  panels_chosen):
     tokenizer, _, _ = setup
-    if not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
     monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)
     packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
     a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
@@ -167,11 +176,9 @@ def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logit
     assert torch.allclose(alone[0], mixed[0], atol=1e-5, rtol=0)
 
 
-def test_an_untied_lm_head_goes_into_panels_and_a_tied_one_stays_the_embedding(tiny_model_dir):
+def test_an_untied_lm_head_goes_into_panels_and_a_tied_one_stays_the_embedding(tiny_model_dir, panels_chosen):
     """The head computes the same logits in panels, its original released; the tiny model's head is
     its embedding table, which panels would copy."""
-    if not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -196,8 +203,9 @@ def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
         pytest.skip("torch has no oneDNN here")
     small, large = torch.randn(384, 128), torch.randn(1536, 512)
     here = packed_layout(torch.device("cpu"), torch.float32)
-    assert Linear(small, None, here).layout == (PANELS if panels_run_here() else PLAIN)
-    assert Linear(large, None, here).layout == (PANELS if panels_run_here() else ONEDNN)
+    chosen = cpu_gemm.suits(torch.device("cpu"), torch.float32) and cpu_gemm.load()
+    assert Linear(small, None, here).layout == (PANELS if chosen else PLAIN)
+    assert Linear(large, None, here).layout == (PANELS if chosen else ONEDNN)
     assert Linear(large, None, PLAIN).layout == PLAIN
     x, packed = torch.randn(1, 3, 512), Linear(large.clone(), None, here)
     assert torch.allclose(llama_graph.linear(x, packed.weight, None, packed.layout, 1536), x @ large.T, atol=1e-4)
@@ -207,7 +215,7 @@ def test_weights_are_laid_out_for_the_kernel_that_gains_from_it():
 @pytest.mark.parametrize("columns, inner", [(1, 7), (23, 64), (24, 64), (25, 33), (70, 16), (100, 768), (200, 40)])
 def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
     if not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     torch.manual_seed(rows * 1000 + columns)
     weight, bias, x = torch.randn(columns, inner), torch.randn(columns), torch.randn(2, rows, inner)
     packed = cpu_gemm.pack(weight)
@@ -222,7 +230,7 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
 
 def test_avx2_panels_refuse_what_they_cannot_compute():
     if not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     packed = cpu_gemm.pack(torch.randn(30, 16))
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.inferkiln.linear_fp32(torch.randn(2, 16, dtype=torch.bfloat16), packed, 30, None)
@@ -278,6 +286,34 @@ def test_fused_rotary_and_paged_decode_attention_compute_what_the_aten_ops_do():
         assert torch.allclose(out[s], expected.flatten(), atol=1e-5), s
     offset = torch.ops.inferkiln.decode_attention_fp32(qkv, 1, heads, keys, values, rows[1:], positions[1:], 0.25)
     assert torch.allclose(offset, out[1:]), "`first` picks the group's rows of qkv"
+    threads = torch.get_num_threads()
+    try:  # a sequence alone is split over the threads by its KV heads: the same floats however split
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            alone = torch.ops.inferkiln.decode_attention_fp32(qkv, 1, heads, keys, values, rows[1:2], positions[1:2], 0.25)
+            assert torch.equal(alone[0], out[1]), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_decode_attention_splits_a_sequence_by_uneven_runs_of_kv_heads():
+    """3 KV heads over 2 threads: runs of 2 and 1 (GQA, 2 query heads each), against SDPA."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(3)
+    heads, kv_heads, dim = 6, 3, 16
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim)
+    keys, values = torch.randn(50, kv_heads, dim), torch.randn(50, kv_heads, dim)
+    rows = torch.tensor([[40, 3, 17, 8, 22]])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = torch.ops.inferkiln.decode_attention_fp32(qkv, 0, heads, keys, values, rows, torch.tensor([4]), 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    k, v = (cache.index_select(0, rows[0]).transpose(0, 1).unsqueeze(0) for cache in (keys, values))
+    expected = F.scaled_dot_product_attention(qkv[:, :heads * dim].view(1, heads, 1, dim), k, v, scale=0.3, enable_gqa=True)
+    assert torch.allclose(out[0], expected.flatten(), atol=1e-5)
 
 
 def test_fused_kernels_refuse_rows_outside_the_cache():
@@ -298,7 +334,7 @@ def test_fused_kernels_refuse_rows_outside_the_cache():
 
 def test_the_kernel_is_built_once_and_whole(tmp_path, monkeypatch):
     if not panels_run_here():
-        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA and without AVX-512")
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     monkeypatch.setenv("INFERKILN_KERNEL_DIR", str(tmp_path))
     path = cpu_gemm.build(cpu_gemm.library_path())
     assert path.parent == tmp_path and path.name.startswith("cpu_gemm-") and list(tmp_path.iterdir()) == [path]
@@ -335,6 +371,22 @@ def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, set
         runner.forward([(ids[:5], table, 0)])
         logits = runner.forward([(ids[5:], table, 5)])[0]
     assert torch.allclose(logits, expected[-1], atol=ATOL)
+
+
+@pytest.mark.parametrize("vendor,flags,suits", [
+    ("AuthenticAMD", {"avx2", "fma"}, True),  # Zen 2/3: measured
+    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"}, True),  # Zen 4: measured
+    ("GenuineIntel", {"avx2", "fma"}, True),
+    ("GenuineIntel", {"avx2", "fma", "avx512f"}, False),  # oneDNN's AVX-512 kernels: not compared
+    ("AuthenticAMD", {"avx2"}, False),
+    ("", set(), False),  # no /proc/cpuinfo
+])
+def test_the_panels_are_chosen_on_the_cpus_they_were_measured_faster_on(monkeypatch, vendor, flags, suits):
+    monkeypatch.setattr(profiles, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(profiles, "cpu_vendor", lambda: vendor)
+    assert cpu_gemm.suits(torch.device("cpu"), torch.float32) is suits
+    assert not cpu_gemm.suits(torch.device("cpu"), torch.bfloat16)
+    assert not cpu_gemm.suits(torch.device("cuda"), torch.float32)
 
 
 @pytest.mark.parametrize("dtype,flags,upcast", [
