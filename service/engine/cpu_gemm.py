@@ -42,14 +42,16 @@ from service.engine import huge_pages
 log = logging.getLogger(__name__)
 
 # the matmul, and the decoder layer's small ops fused (cpu_decoder.cpp), in one library
-SOURCES = (Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_decoder.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp"))
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
+PANEL_BF16 = 16  # output columns per bf16 panel (cpu_gemm_bf16.cpp's kColumns)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 # The schema lives here, not in the C++ library, so that TorchScript graphs that may call the op
 # compile where the library is absent (they then never call it).
 _LIBRARY = torch.library.Library("inferkiln", "DEF")
 _LIBRARY.define("linear_fp32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_LIBRARY.define("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
 _LIBRARY.define("rms_norm_fp32(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm_fp32(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("rope_store_fp32(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
@@ -85,6 +87,14 @@ def suits(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this machine is one the kernel was measured faster on (see the module docstring)."""
     return (device.type == "cpu" and dtype == torch.float32 and runs_here()
             and ("avx512f" not in profiles.cpu_flags() or profiles.cpu_vendor() == "AuthenticAMD"))
+
+
+def suits_bf16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the bf16 panels (cpu_gemm_bf16.cpp) run here and were measured faster than oneDNN on
+    such a CPU: AMD's with AVX512-BF16 (see the README's "AVX-512 EPYCs"). Intel's with AMX keep
+    oneDNN's AMX kernels, not compared."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and "avx512_bf16" in profiles.cpu_flags()
+            and profiles.cpu_vendor() == "AuthenticAMD")
 
 
 def build(out: Path) -> Path:
@@ -135,6 +145,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded = F.pad(weight, (0, 0, 0, -rows % PANEL))
     panels = huge_pages.empty((padded.shape[0] // PANEL, columns, PANEL), weight.dtype)
     return panels.copy_(padded.view(-1, PANEL, columns).transpose(1, 2))
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 W [N, K] as [ceil(N/16), ceil(K/2), 16, 2], the panels linear_bf16 reads (each pair of k
+    of a panel one 64-byte line), on 2 MB pages where Linux offers them; zeros pad the last panel
+    and an odd K."""
+    rows, columns = weight.shape
+    padded = F.pad(weight, (0, columns % 2, 0, -rows % PANEL_BF16))
+    panels, pairs = padded.shape[0] // PANEL_BF16, padded.shape[1] // 2
+    packed = huge_pages.empty((panels, pairs, PANEL_BF16, 2), weight.dtype)
+    return packed.copy_(padded.view(panels, PANEL_BF16, pairs, 2).transpose(1, 2))
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ packed_linear = _ONEDNN.packed_linear
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_pytorch_tanh", "relu"})
 
 
-# How a weight is laid out (llama_runner.Linear): as loaded, packed for oneDNN, or in cpu_gemm's panels.
-PLAIN, ONEDNN, PANELS = 0, 1, 2
+# How a weight is laid out (llama_runner.Linear): as loaded, packed for oneDNN, in cpu_gemm's fp32
+# panels, or in its bf16 panels.
+PLAIN, ONEDNN, PANELS, PANELS_BF16 = 0, 1, 2, 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: int,
@@ -51,6 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     """x @ W.T + b for W [columns, in] laid out as `layout` says (literals: TorchScript reads no globals)."""
     if layout == 2:  # PANELS
         return torch.ops.inferkiln.linear_fp32(x, weight, columns, bias)
+    if layout == 3:  # PANELS_BF16
+        return torch.ops.inferkiln.linear_bf16(x, weight, columns, bias)
     if layout == 1:  # ONEDNN
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -108,7 +111,7 @@ class LlamaGraph(torch.nn.Module):
 
     weights: List[torch.Tensor]  # per layer: qkv, o, gate_up, down
     biases: List[Optional[torch.Tensor]]
-    layouts: List[int]  # PLAIN, ONEDNN or PANELS
+    layouts: List[int]  # PLAIN, ONEDNN, PANELS or PANELS_BF16
     columns: List[int]  # each weight's output features
     norms: List[torch.Tensor]  # per layer: input, post-attention
     lm_bias: Optional[torch.Tensor]

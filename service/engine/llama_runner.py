@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.engine.compiled_decode import CompiledDecode, check_can_compile
 from service.engine import cpu_gemm, huge_pages
-from service.engine.llama_graph import ACTIVATIONS, ONEDNN, PANELS, PLAIN, LlamaGraph
+from service.engine.llama_graph import ACTIVATIONS, ONEDNN, PANELS, PANELS_BF16, PLAIN, LlamaGraph
 from service.engine.lora import LoraPool
 from service.profiles import cpu_computes
 
@@ -120,19 +120,21 @@ class LlamaRunner:
     @staticmethod
     def _head(model, pack: int, keep: bool) -> Linear:
         """The LM head in panels where the layers are: F.linear runs MKL's GEMV, which read a 32000 x
-        2048 fp32 head at 0.58x the panels' rate on the 2-core EPYC (17.2 against 9.9 ms a row). As
+        2048 fp32 head at 0.58x the panels' rate on the 2-core EPYC (17.2 against 9.9 ms a row); in
+        bf16 F.linear read the 76M shape's weights at 0.51x the bf16 panels' rate (Zen 4). As
         loaded where it is also the embedding table (panels would be a second copy of the largest
         weight) or where the layers are not in panels (unmeasured). `keep`: the compiled decode step
         reads the original, so it stays."""
         head = model.lm_head
-        if pack != PANELS or head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+        if pack not in (PANELS, PANELS_BF16) or head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
             return Linear(head.weight, head.bias, PLAIN)
-        return Linear(head.weight, head.bias, PANELS, () if keep else (head,))
+        return Linear(head.weight, head.bias, pack, () if keep else (head,))
 
     def matmul_kernels(self) -> str:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
         them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log."""
-        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: "cpu_gemm's AVX2 panels"}
+        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: "cpu_gemm's AVX2 panels",
+                 PANELS_BF16: "cpu_gemm's AVX512-BF16 panels"}
         linears = [linear for layer in self.linears for linear in layer.values()]
         kernels = ", ".join(sorted({names[linear.layout] for linear in linears}))
         if self.device.type != "cpu" or not huge_pages.offered():
@@ -227,10 +229,12 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def packed_layout(device: torch.device, dtype: torch.dtype) -> int:
-    """The layout packed weights take here, decided once a model: cpu_gemm's panels where that
-    kernel suits the CPU and loads, else oneDNN's where it can pack, else none."""
+    """The layout packed weights take here, decided once a model: cpu_gemm's fp32 or bf16 panels where
+    that kernel suits the CPU and loads, else oneDNN's where it can pack, else none."""
     if cpu_gemm.suits(device, dtype) and cpu_gemm.load():
         return PANELS
+    if cpu_gemm.suits_bf16(device, dtype) and cpu_gemm.load():
+        return PANELS_BF16
     return ONEDNN if can_pack(device, dtype) else PLAIN
 
 
@@ -253,6 +257,8 @@ class Linear:
         self.layout = PLAIN if pack == ONEDNN and weight.numel() < PACK_MIN_ELEMENTS else pack
         if self.layout == PANELS:
             self.weight = cpu_gemm.pack(weight)
+        elif self.layout == PANELS_BF16:
+            self.weight = cpu_gemm.pack_bf16(weight)
         elif self.layout == ONEDNN:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         else:

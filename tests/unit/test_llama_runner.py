@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service import profiles
 from service.engine import cpu_gemm, llama_graph, llama_runner
-from service.engine.llama_graph import ONEDNN, PANELS, PLAIN
+from service.engine.llama_graph import ONEDNN, PANELS, PANELS_BF16, PLAIN
 from service.engine.llama_runner import Linear, LlamaRunner, UnsupportedModel, can_pack, packed_layout
 
 ATOL = 1e-4
@@ -228,6 +228,68 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(one, packed, columns, bias), one @ weight.T + bias, atol=1e-4)
 
 
+def bf16_panels_run_here() -> bool:
+    return "avx512_bf16" in profiles.cpu_flags() and cpu_gemm.load()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("columns, inner", [(1, 1), (15, 64), (16, 64), (17, 7), (70, 33), (100, 768)])
+def test_bf16_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
+    """Summed in fp32 and rounded once: within half a bf16 step of the fp32 product (2^-9 relative,
+    more where terms cancel: atol)."""
+    if not bf16_panels_run_here():
+        pytest.skip("the bf16 panels are for x86 CPUs with AVX512-BF16")
+    torch.manual_seed(rows * 1000 + columns)
+    weight, bias = torch.randn(columns, inner).bfloat16(), torch.randn(columns).bfloat16()
+    x = torch.randn(2, rows, inner).bfloat16()
+    packed = cpu_gemm.pack_bf16(weight)
+    assert packed.shape == (-(-columns // 16), -(-inner // 2), 16, 2)
+    expected = x.float() @ weight.float().T
+    out = torch.ops.inferkiln.linear_bf16(x, packed, columns, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, columns)
+    assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-2)
+    biased = torch.ops.inferkiln.linear_bf16(x.transpose(0, 1), packed, columns, bias)
+    assert torch.allclose(biased.float(), (expected + bias.float()).transpose(0, 1), rtol=2**-8, atol=1e-2)
+
+
+def test_bf16_panels_refuse_what_they_cannot_compute():
+    if not bf16_panels_run_here():
+        pytest.skip("the bf16 panels are for x86 CPUs with AVX512-BF16")
+    packed = cpu_gemm.pack_bf16(torch.randn(30, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.inferkiln.linear_bf16(torch.randn(2, 16), packed, 30, None)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.inferkiln.linear_bf16(torch.randn(2, 14).bfloat16(), packed, 30, None)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.inferkiln.linear_bf16(torch.randn(2, 16).bfloat16(), packed, 60, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.inferkiln.linear_bf16(torch.randn(2, 16).bfloat16(), packed, 30, torch.randn(30))
+
+
+def test_bf16_weights_in_panels_decode_as_near_fp32_as_onednns(tiny_model_dir, setup, monkeypatch):
+    """The tiny model in bf16 with every weight in bf16 panels, its head too (untied here), against
+    the fp32 runner: the bound the bf16 runner on oneDNN is held to."""
+    tokenizer, _, fp32 = setup
+    if not bf16_panels_run_here():
+        pytest.skip("the bf16 panels are for x86 CPUs with AVX512-BF16")
+    monkeypatch.setattr(cpu_gemm, "suits_bf16", lambda device, dtype: dtype == torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)  # untied
+    runner = LlamaRunner(model, 64, 4, 512, pack_weights=True)
+    assert {linear.layout for layer in runner.linears for linear in layer.values()} == {PANELS_BF16}
+    assert runner.head.layout == PANELS_BF16 and "AVX512-BF16 panels" in runner.matmul_kernels()
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+    b = tokenizer("Tea")["input_ids"]
+    prompts, decodes = [(a, [0, 1, 2, 3, 4, 5], 0), (b, [20], 0)], [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
+    with torch.inference_mode():
+        fp32.forward(prompts)
+        expected = fp32.forward(decodes)
+        runner.forward(prompts)
+        logits = runner.forward(decodes)
+    assert torch.allclose(logits, expected, atol=0.2), (logits - expected).abs().max()
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
 def test_avx2_panels_refuse_what_they_cannot_compute():
     if not panels_run_here():
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
@@ -387,6 +449,8 @@ def test_the_panels_are_chosen_on_the_cpus_they_were_measured_faster_on(monkeypa
     assert cpu_gemm.suits(torch.device("cpu"), torch.float32) is suits
     assert not cpu_gemm.suits(torch.device("cpu"), torch.bfloat16)
     assert not cpu_gemm.suits(torch.device("cuda"), torch.float32)
+    assert cpu_gemm.suits_bf16(torch.device("cpu"), torch.bfloat16) is (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
+    assert not cpu_gemm.suits_bf16(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("dtype,flags,upcast", [
