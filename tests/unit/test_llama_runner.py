@@ -266,6 +266,13 @@ def test_bf16_panels_refuse_what_they_cannot_compute():
         torch.ops.inferkiln.linear_bf16(torch.randn(2, 16).bfloat16(), packed, 30, torch.randn(30))
 
 
+def two_sequences(tokenizer) -> tuple[list, list]:
+    """Two prompts as one step's chunks, then a decode step of both."""
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+    b = tokenizer("Tea")["input_ids"]
+    return [(a, [0, 1, 2, 3, 4, 5], 0), (b, [20], 0)], [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
+
+
 def test_bf16_weights_in_panels_decode_as_near_fp32_as_onednns(tiny_model_dir, setup, monkeypatch):
     """The tiny model in bf16 with every weight in bf16 panels, its head too (untied here), against
     the fp32 runner: the bound the bf16 runner on oneDNN is held to."""
@@ -278,9 +285,7 @@ def test_bf16_weights_in_panels_decode_as_near_fp32_as_onednns(tiny_model_dir, s
     runner = LlamaRunner(model, 64, 4, 512, pack_weights=True)
     assert {linear.layout for layer in runner.linears for linear in layer.values()} == {PANELS_BF16}
     assert runner.head.layout == PANELS_BF16 and "AVX512-BF16 panels" in runner.matmul_kernels()
-    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
-    b = tokenizer("Tea")["input_ids"]
-    prompts, decodes = [(a, [0, 1, 2, 3, 4, 5], 0), (b, [20], 0)], [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
+    prompts, decodes = two_sequences(tokenizer)
     with torch.inference_mode():
         fp32.forward(prompts)
         expected = fp32.forward(decodes)
@@ -468,9 +473,7 @@ def test_decode_attention_is_upcast_only_on_cpus_without_amx_for_the_type(monkey
 def test_bf16_decodes_upcast_or_not_stay_near_fp32(tiny_model_dir, setup):
     tokenizer, _, fp32 = setup
     runner = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval(), 64, 4, 512)
-    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
-    b = tokenizer("Tea")["input_ids"]
-    prompts, decodes = [(a, [0, 1, 2, 3, 4, 5], 0), (b, [20], 0)], [([5], [0, 1, 2, 3, 4, 5], len(a)), ([6], [20], len(b))]
+    prompts, decodes = two_sequences(tokenizer)
     with torch.inference_mode():
         fp32.forward(prompts)
         expected = fp32.forward(decodes)
