@@ -1,4 +1,4 @@
-"""fp32 matmuls for the torch engine on AVX2 CPUs: `inferkiln::linear_fp32` (cpu_gemm.cpp).
+"""fp32 and bf16 matmuls for the torch engine on x86 CPUs: `inferkiln::linear_fp32` (cpu_gemm.cpp), `linear_bf16`.
 
 On a 2-core AMD EPYC (AVX2, no AVX-512) oneDNN's packed fp32 GEMM, which the engine used for every
 weight, read a decode step's 307 MB of weights at about 0.7 of the rate torch's sum reads memory
@@ -9,9 +9,14 @@ one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). On a 2-core AMD EPYC 
 (AVX512-BF16: Zen 4), where oneDNN runs its AVX-512 kernels, it was faster too (in one process,
 alternating: 9.1 against 14.0 ms at one row, 13.2 against 15.0 at 8). It is used where it was
 measured: fp32 on x86 CPUs with AVX2 and FMA, AMD's with or without AVX-512, others without; on
-Intel's AVX-512 CPUs, whose oneDNN kernels it has not been compared with, oneDNN stays. One row (a c=1 decode step) runs against 4 adjacent panels at once:
-with one stream of W a core the 40 matmuls read 0.91 of the rate torch's sum reads their bytes as
-one tensor, with four 0.99-1.01 (in one process, alternating; see the README's issue-29 section).
+Intel's AVX-512 CPUs, whose oneDNN kernels it has not been compared with, oneDNN stays. One row (a
+c=1 decode step) runs against 4 adjacent panels at once: with one stream of W a core the 40
+matmuls read 0.91 of the rate torch's sum reads their bytes as one tensor, with four 0.99-1.01 (in
+one process, alternating; see the README's issue-29 section).
+
+bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-BF16's vdpbf16ps),
+chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5
+against oneDNN's 8.1 ms at one row and 6.3 against 9.1 at 8.
 
 The same library holds the decoder layer's small ops, fused (cpu_decoder.cpp: the norms, the
 residual adds, rotary positions with the cache writes, decode attention over the paged cache). The
@@ -41,7 +46,7 @@ from service.engine import huge_pages
 
 log = logging.getLogger(__name__)
 
-# the matmul, and the decoder layer's small ops fused (cpu_decoder.cpp), in one library
+# the fp32 matmul, the decoder layer's small ops fused (cpu_decoder.cpp) and the bf16 matmul, in one library
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp"))
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
 PANEL_BF16 = 16  # output columns per bf16 panel (cpu_gemm_bf16.cpp's kColumns)
