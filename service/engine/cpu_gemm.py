@@ -143,24 +143,26 @@ def load() -> bool:
     return _loaded
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads, on 2 MB pages where Linux offers
-    them (service.engine.huge_pages); zero columns pad the last."""
+def panels(weight: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """W [N, K] as [ceil(N/width), ceil(K/group), width, group]: each panel's `width` columns side by
+    side for every group of k, on 2 MB pages where Linux offers them (service.engine.huge_pages);
+    zeros pad the last panel and the last group."""
     rows, columns = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -rows % PANEL))
-    panels = huge_pages.empty((padded.shape[0] // PANEL, columns, PANEL), weight.dtype)
-    return panels.copy_(padded.view(-1, PANEL, columns).transpose(1, 2))
+    padded = F.pad(weight, (0, -columns % group, 0, -rows % width))
+    count, groups = padded.shape[0] // width, padded.shape[1] // group
+    out = huge_pages.empty((count, groups, width, group), weight.dtype)
+    return out.copy_(padded.view(count, width, groups, group).transpose(1, 2))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads."""
+    return panels(weight, PANEL, 1).squeeze(3)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 W [N, K] as [ceil(N/16), ceil(K/2), 16, 2], the panels linear_bf16 reads (each pair of k
-    of a panel one 64-byte line), on 2 MB pages where Linux offers them; zeros pad the last panel
-    and an odd K."""
-    rows, columns = weight.shape
-    padded = F.pad(weight, (0, columns % 2, 0, -rows % PANEL_BF16))
-    panels, pairs = padded.shape[0] // PANEL_BF16, padded.shape[1] // 2
-    packed = huge_pages.empty((panels, pairs, PANEL_BF16, 2), weight.dtype)
-    return packed.copy_(padded.view(panels, PANEL_BF16, pairs, 2).transpose(1, 2))
+    """bf16 W [N, K] as [ceil(N/16), ceil(K/2), 16, 2], the panels linear_bf16 reads: each pair of k
+    of a panel one 64-byte line."""
+    return panels(weight, PANEL_BF16, 2)
 
 
 def main() -> None:
