@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace inferkiln {
@@ -196,7 +195,7 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
   const int64_t runs = std::min(kv_heads, std::max<int64_t>(1, at::get_num_threads() / std::max<int64_t>(1, count)));
   const int64_t per_run = (kv_heads + runs - 1) / runs;
   at::parallel_for(0, count * runs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_run * group * span);
+    std::vector<float> scores(per_run * group * span), totals(per_run * group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / runs, first_kv = (task % runs) * per_run;
       const int64_t last_kv = std::min(kv_heads, first_kv + per_run), length = position[s] + 1;
@@ -204,14 +203,16 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
       const float* query = q + (first + s) * qkv.stride(0) + first_head * dim;
       const int64_t* seq_rows = row + s * span;
       const int64_t run_width = (last_kv - first_kv) * dim;
+      // the task's run of heads in position j's cache row
+      auto run_at = [&](const float* cache, int64_t j) { return cache + seq_rows[j] * kv_width + first_kv * dim; };
       for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(k + seq_rows[j + kAhead] * kv_width + first_kv * dim, run_width);
-        const float* key = k + seq_rows[j] * kv_width + first_kv * dim;
+        if (j + kAhead < length) prefetch(run_at(k, j + kAhead), run_width);
+        const float* key = run_at(k, j);
         for (int64_t h = 0; h < task_heads; ++h) {
           scores[h * span + j] = dot(query + h * dim, key + (h / group) * dim, dim) * static_cast<float>(scale);
         }
       }
-      std::vector<float> totals(task_heads, 0.0f);
+      std::fill(totals.begin(), totals.begin() + task_heads, 0.0f);
       for (int64_t h = 0; h < task_heads; ++h) {
         float* head_scores = scores.data() + h * span;
         const float top = *std::max_element(head_scores, head_scores + length);
@@ -223,8 +224,8 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
       float* result = o + s * heads * dim + first_head * dim;
       std::fill(result, result + task_heads * dim, 0.0f);
       for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(v + seq_rows[j + kAhead] * kv_width + first_kv * dim, run_width);
-        const float* value = v + seq_rows[j] * kv_width + first_kv * dim;
+        if (j + kAhead < length) prefetch(run_at(v, j + kAhead), run_width);
+        const float* value = run_at(v, j);
         for (int64_t h = 0; h < task_heads; ++h) axpy(result + h * dim, scores[h * span + j], value + (h / group) * dim, dim);
       }
       for (int64_t h = 0; h < task_heads; ++h) {
