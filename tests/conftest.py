@@ -36,18 +36,21 @@ def images_built_are_removed() -> Iterator[None]:
         fcntl.flock(lock, fcntl.LOCK_SH)
         yield
         if not last_session(lock):
-            lock.seek(0)
-            earlier = [int(line) for line in lock.read().split()]
-            lock.write(f"{min([started, *earlier])}\n")
+            lock.write(f"{earliest_start(lock, started)}\n")
             lock.flush()
             fcntl.flock(lock, fcntl.LOCK_UN)  # the others may have ended meanwhile: one more try
             if not last_session(lock):
                 return
-        lock.seek(0)
-        since = min([started, *(int(line) for line in lock.read().split())])
+        since = earliest_start(lock, started)
         if docker_up():
             remove_images_built_since(since)
         lock.truncate(0)
+
+
+def earliest_start(lock, started: int) -> int:
+    """The earliest of `started` and the start times the sessions that ended before left in the lock file."""
+    lock.seek(0)
+    return min([started, *(int(line) for line in lock.read().split())])
 
 
 def last_session(lock) -> bool:
