@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import contextvars
-import copy
 import json
 import logging
 import os
@@ -12,9 +10,9 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from logging.handlers import QueueHandler, QueueListener
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -24,35 +22,62 @@ EXTRA_FIELDS = ("route", "method", "status", "latency_ms", "prompt_tokens", "com
 
 class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):  # a record queued by the serving thread has its own
+        if not hasattr(record, "request_id"):  # set by the first of the handlers it passes
             record.request_id = request_id_var.get()
         return True
 
 
-class _Queued(QueueHandler):
-    """Hands records to the writing thread as they are (an in-process queue: no pickling), with the
-    message resolved and the request id taken here, in the thread that logged."""
+class ThreadedStreamHandler(logging.StreamHandler):
+    """A StreamHandler that formats and writes from a thread of its own. A write to stderr blocks
+    while whatever reads it (the container runtime's log pipe) is behind, as it is on a node whose
+    cores the engine keeps busy; in the serving thread that stalls every stream. The caller only
+    resolves the message (and, through the handler's filters, the request id) and queues the record.
 
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record = copy.copy(record)
-        record.msg, record.args = record.getMessage(), None
-        record.request_id = getattr(record, "request_id", None) or request_id_var.get()
-        return record
+    It is a handler class, not a step after configuration, so that every `dictConfig` of the runtime's
+    logging config gets a writer thread: vLLM's processes apply it, and uvicorn applies it again
+    after vLLM has added the contract to its app. Queued records are written before the handler
+    closes (logging's exit hook, or a `dictConfig` that replaces it); a forked child starts a writer
+    of its own; once closed, the handler writes in the caller."""
+
+    def __init__(self, stream=None) -> None:
+        super().__init__(stream)
+        self._queueing = True
+        self._start()
+        _writing.add(self)
+
+    def _start(self) -> None:
+        self._records: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, args=(self._records,), name="log-writer", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._queueing:
+            return super().emit(record)
+        record.msg, record.args = record.getMessage(), None  # the arguments as they are now
+        self._records.put(record)
+
+    def _write(self, records: queue.SimpleQueue) -> None:
+        """StreamHandler.emit's work without its flush(), which takes the handler's lock: logging's
+        exit hook holds that lock while it closes the handler, which waits for this thread."""
+        while (record := records.get()) is not None:
+            try:
+                self.stream.write(self.format(record) + self.terminator)
+                self.stream.flush()
+            except Exception:
+                self.handleError(record)
+
+    def close(self) -> None:
+        """Called under the handler's lock (logging.shutdown), which the writer never takes."""
+        if self._queueing:
+            self._queueing = False
+            _writing.discard(self)
+            self._records.put(None)
+            self._writer.join(timeout=5)
+        super().close()
 
 
-def write_off_the_event_loop() -> None:
-    """The root logger's handlers move to a thread of their own. A write to stderr blocks while
-    whatever reads it (the container runtime's log pipe) is behind, as it is on a node whose cores
-    the engine keeps busy; in the serving thread that stalls every stream (on 2 cores, vLLM at c=32:
-    TTFT p50 +15 ms from one access line a request)."""
-    root = logging.getLogger()
-    if not root.handlers or any(isinstance(h, QueueHandler) for h in root.handlers):
-        return
-    records: queue.SimpleQueue = queue.SimpleQueue()
-    listener = QueueListener(records, *root.handlers, respect_handler_level=True)
-    root.handlers[:] = [_Queued(records)]
-    listener.start()
-    atexit.register(listener.stop)  # what was logged is written before the process ends
+_writing: weakref.WeakSet[ThreadedStreamHandler] = weakref.WeakSet()  # the handlers whose writer runs
+os.register_at_fork(after_in_child=lambda: [handler._start() for handler in _writing])
 
 
 class JsonFormatter(logging.Formatter):
@@ -79,7 +104,7 @@ class TextFormatter(logging.Formatter):
 
 def configure_logging(level: str, jsonl: bool) -> None:
     """Route the root, uvicorn and library loggers through one handler on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = ThreadedStreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if jsonl else TextFormatter())
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
@@ -92,7 +117,6 @@ def configure_logging(level: str, jsonl: bool) -> None:
     logging.getLogger("uvicorn.access").disabled = True
     for noisy in ("httpx", "httpcore", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    write_off_the_event_loop()
 
 
 @contextmanager

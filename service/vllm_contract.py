@@ -23,7 +23,6 @@ from service.admission import drain_then_stop
 from service.api.passthrough import PASSED, PassthroughApp
 from service.app import build_app, with_contract_layers
 from service.engine.vllm_server import RUNTIME_FILE_ENV, VllmServer
-from service.logs import write_off_the_event_loop
 from service.model_signature import Verification
 from service.profiles import detect_hardware
 from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
@@ -47,7 +46,6 @@ class NimContract:
     """Pure ASGI: HTTP goes to the contract's app; vLLM's lifespan starts and stops the contract's."""
 
     def __init__(self, app) -> None:
-        write_off_the_event_loop()  # vLLM's processes configured logging from the runtime's file
         self.app = app  # vLLM's ASGI stack below this middleware
         self.runtime = runtime_from_file(Path(os.environ[RUNTIME_FILE_ENV]))
         assert isinstance(self.runtime.engine, VllmServer), "the runtime file names a vLLM profile"

@@ -349,7 +349,7 @@ def write_logging_config(directory: Path, settings: Settings) -> Path:
         "version": 1, "disable_existing_loggers": False,
         "formatters": {"nim": {"()": formatter}},
         "filters": {"request_id": {"()": "service.logs.RequestIdFilter"}},
-        "handlers": {"nim": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "nim",
+        "handlers": {"nim": {"class": "service.logs.ThreadedStreamHandler", "stream": "ext://sys.stderr", "formatter": "nim",
                              "filters": ["request_id"]}},
         "root": {"handlers": ["nim"], "level": settings.log_level},
         "loggers": {name: {"handlers": [], "propagate": True, "level": settings.log_level}

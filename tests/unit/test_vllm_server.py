@@ -17,7 +17,7 @@ from service.engine.vllm_server import MIDDLEWARE, cpu_preload, gauges_from_vllm
 from service.logs import request_id_var
 from service.manifest import Profile, ProfileTags
 from service.metrics import ServiceMetrics
-from service.settings import SettingsError, load_settings
+from service.settings import Settings, SettingsError, load_settings
 
 
 def arguments(env: dict[str, str] | None = None, **profile_kwargs) -> list[str]:
@@ -254,6 +254,8 @@ def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys):
         token = request_id_var.set("req-7")
         logging.getLogger("vllm.engine").info("hello %s", "there")
         request_id_var.reset(token)
+        for handler in logging.getLogger().handlers:
+            handler.close()  # what its writer thread had queued is written
         line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
         assert (line["logger"], line["message"], line["request_id"], line["level"]) == (
             "vllm.engine", "hello there", "req-7", "INFO")
@@ -312,39 +314,96 @@ def test_with_json_logs_what_bypasses_logging_is_wrapped_too(capfd):
     assert all(line["logger"] == "output" and line["time"] for line in lines[1:])
 
 
-def test_a_log_write_that_blocks_does_not_block_the_caller():
-    """The root's handlers write from a thread of their own: a stderr reader that is behind (the
-    container's log pipe) cannot stall the serving thread; each record keeps its request id."""
-    import threading
+class _SlowStream:
+    """stderr as a container's log pipe that is behind: each write waits until `release` is set."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.lines = threading.Event(), []
+
+    def write(self, text: str) -> None:
+        self.release.wait(5)
+        self.lines.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.fixture
+def restored_logging():
+    """The root logger and the loggers the config names, as they were before the test configured them."""
+    names = ("vllm", "uvicorn", "uvicorn.error", "uvicorn.access", "service")
+    saved = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).level,
+                    logging.getLogger(name).propagate) for name in (None, *names)}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            if handler not in handlers:
+                handler.close()
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+
+
+def vllm_logging_config(tmp_path, stream) -> dict:
+    config = json.loads(write_logging_config(tmp_path, Settings(jsonl_logging=True)).read_text())
+    config["handlers"]["nim"]["stream"] = stream
+    return config
+
+
+def test_the_logging_config_vllm_gets_writes_off_the_serving_thread(tmp_path, restored_logging):
+    """The config handed to vLLM's processes, applied as they apply it: by vLLM, then again by uvicorn
+    after the contract was added to vLLM's app. A stderr reader that is behind cannot stall the
+    serving thread; each record keeps its request id and its arguments as they were when logged."""
     import time
 
-    from service.logs import request_id_var, write_off_the_event_loop
+    stream = _SlowStream()
+    for _ in range(2):
+        logging.config.dictConfig(vllm_logging_config(tmp_path, stream))
+    token = request_id_var.set("req-1")
+    status = [200]
+    start = time.perf_counter()
+    logging.getLogger("service.access").info("POST %s %d", "/v1/completions", status[0])
+    assert time.perf_counter() - start < 0.5
+    request_id_var.reset(token)
+    status[0] = 500
+    stream.release.set()
+    deadline = time.monotonic() + 5
+    while not stream.lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    records = [json.loads(line) for line in stream.lines]
+    assert [(r["message"], r["request_id"], r["logger"]) for r in records] == [
+        ("POST /v1/completions 200", "req-1", "service.access")]
 
-    release, seen = threading.Event(), []
 
-    class Slow(logging.Handler):
-        def emit(self, record):
-            release.wait(5)
-            seen.append((record.getMessage(), record.request_id))
+def test_what_was_queued_is_written_before_the_handler_closes_and_after_a_fork(tmp_path, restored_logging):
+    """logging's exit hook (and a dictConfig that replaces the handler) closes it: what it had queued
+    is written first. A forked child (vLLM may fork its engine processes) writes through a writer of
+    its own; a closed handler writes in the caller."""
+    import os
 
-    root = logging.getLogger()
-    saved, level = root.handlers[:], root.level
-    root.handlers[:] = [Slow()]
-    root.setLevel(logging.INFO)
-    try:
-        write_off_the_event_loop()
-        token = request_id_var.set("req-1")
-        start = time.perf_counter()
-        logging.getLogger("service.access").info("POST %s %d", "/v1/completions", 200)
-        assert time.perf_counter() - start < 0.5
-        request_id_var.reset(token)
-        release.set()
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert seen == [("POST /v1/completions 200", "req-1")]
-    finally:
-        root.handlers[:], root.level = saved, level
+    stream = _SlowStream()
+    logging.config.dictConfig(vllm_logging_config(tmp_path, stream))
+    handler = logging.getLogger().handlers[0]
+    for i in range(3):
+        logging.getLogger("service").info("line %d", i)
+    stream.release.set()
+    handler.close()
+    assert [json.loads(line)["message"] for line in stream.lines] == ["line 0", "line 1", "line 2"]
+    logging.getLogger("service").info("after close")
+    assert json.loads(stream.lines[-1])["message"] == "after close"
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as pipe:
+        logging.config.dictConfig(vllm_logging_config(tmp_path, pipe))
+        pid = os.fork()
+        if pid == 0:  # the child: log, then end as an interpreter does (logging's exit hook)
+            logging.getLogger("service").info("from the child")
+            logging.shutdown()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    with os.fdopen(read_end) as pipe:
+        assert [json.loads(line)["message"] for line in pipe.read().splitlines()] == ["from the child"]
 
 
 @pytest.mark.parametrize("body,refused", [
