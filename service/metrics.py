@@ -10,6 +10,8 @@ collector, so each process counts what it served and the scrape sums them.
 
 from __future__ import annotations
 
+import bisect
+import collections
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -36,6 +38,20 @@ def token_buckets(max_model_len: int) -> list[float]:
                 return buckets
             buckets.append(float(value))
         exponent += 1
+
+
+def observe_each(histogram: Histogram, amounts: list[float]) -> None:
+    """`histogram.observe(amount)` for every amount, with the sum and each bucket incremented once:
+    a 64-token stream's 63 gaps, observed one at a time, took 130-270 us of the serving thread on
+    2 cores, most of what the contract adds to a request. prometheus_client has no batch observe;
+    this writes the labelled child's values as its `observe` does (its `_upper_bounds`, `_buckets`
+    and `_sum`), and a test holds the exposition equal to observing one at a time."""
+    if not amounts:
+        return
+    bounds = histogram._upper_bounds  # ends with +Inf: every amount has a bucket
+    histogram._sum.inc(sum(amounts))
+    for bucket, count in collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts).items():
+        histogram._buckets[bucket].inc(count)
 
 
 class _EngineStats(Collector):
@@ -121,9 +137,7 @@ class ServiceMetrics:
             self.success.labels(name, finished_reason).inc()
         if ttft is not None:
             self.ttft.labels(name).observe(ttft)
-        tpot = self.tpot.labels(name)
-        for gap in token_gaps:
-            tpot.observe(gap)
+        observe_each(self.tpot.labels(name), token_gaps)
         self.e2e.labels(name).observe(e2e)
         self.prompt_hist.labels(name).observe(prompt_tokens)
         self.generation_hist.labels(name).observe(generation_tokens)
