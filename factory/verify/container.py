@@ -54,26 +54,32 @@ def start_model(client, reference: str, env: dict[str, str] | None = None, timeo
 def start_vllms_own_server(client, reference: str, env: dict[str, str] | None = None, timeout: float = 600,
                            volumes: dict | None = None) -> RunningModel:
     """vLLM's own OpenAI server in a vLLM model image, started as vLLM documents it, with the very
-    arguments the runtime would give it (`serve --dry-run`) less the contract's middleware: the
-    peer the harness and the benchmarks compare the runtime with. Ready when vLLM's /health is."""
-    return _start(client, reference, env, timeout, volumes, None, "/health",
-                  entrypoint=["python", "-m", "vllm.entrypoints.openai.api_server",
-                              *vllm_arguments(client, reference, env, volumes)])
+    command line the runtime would run (`serve --dry-run`: the environment it sets for vLLM's
+    processes, then vLLM's arguments) less the contract's middleware: the peer the harness and the
+    benchmarks compare the runtime with. Ready when vLLM's /health is."""
+    environment, arguments = vllm_command(client, reference, env, volumes)
+    return _start(client, reference, {**environment, **(env or {})}, timeout, volumes, None, "/health",
+                  entrypoint=["python", "-m", "vllm.entrypoints.openai.api_server", *arguments])
 
 
-def vllm_arguments(client, reference: str, env: dict[str, str] | None = None, volumes: dict | None = None) -> list[str]:
-    """The vLLM arguments the runtime in `reference` resolves (its `serve --dry-run`), less its middleware."""
+def vllm_command(client, reference: str, env: dict[str, str] | None = None,
+                 volumes: dict | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment and vLLM arguments the runtime in `reference` resolves (its `serve --dry-run`
+    line, `[NAME=VALUE ...] vllm serve ARGS`), less its middleware."""
     options = dict(POD_LIKE)
     out = client.containers.run(reference, ["--dry-run"], remove=True, environment=env or {},
                                 volumes={**options.pop("volumes", {}), **(volumes or {})}, **options).decode()
-    line = next((line for line in out.splitlines() if line.startswith("engine: vllm serve ")), None)
-    if line is None:
+    words = next((shlex.split(line.removeprefix("engine: ")) for line in out.splitlines()
+                  if line.startswith("engine: ") and "vllm serve " in line), None)
+    if words is None:
         raise CheckFailed(f"{reference} serves no vLLM profile here: {out.strip()}")
-    args = shlex.split(line.removeprefix("engine: vllm serve "))
+    at = words.index("vllm")
+    environment = dict(word.split("=", 1) for word in words[:at])
+    args = words[at + 2:]
     while "--middleware" in args:
         at = args.index("--middleware")
         del args[at:at + 2]
-    return args
+    return environment, args
 
 
 def _start(client, reference: str, env: dict[str, str] | None, timeout: float, volumes: dict | None,

@@ -29,7 +29,7 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,7 +122,10 @@ class VllmServer(PassthroughEngine):
         self._loaded: dict[str, Adapter] = {}  # the adapters vLLM holds, as the registry had them
 
     def describe(self) -> str:
-        return "vllm serve " + shlex.join(self.arguments)
+        """The command line vLLM's docs would give for this: the environment the runtime sets for
+        vLLM's processes, then `vllm serve` and its arguments."""
+        variables = "".join(f"{name}={shlex.quote(value)} " for name, value in vllm_environment(os.environ).items())
+        return variables + "vllm serve " + shlex.join(self.arguments)
 
     def attach(self, app: Any, root_app: Any) -> None:
         self.app, self.root_app = app, root_app
@@ -249,13 +252,15 @@ def gauges_from_vllm(text: str, max_num_seqs: int, previous: EngineStats) -> Eng
 
 # -- the hand-over: this process becomes vLLM's server ------------------------------------------
 def serve(settings: Settings, selection: Selection) -> int:
-    """Run vLLM's `serve` in this process; 1 if it failed or its engine died, else 0 (a drained stop).
+    """Hand this process over to vLLM's `serve`: it execs into `serve_resolved`, which returns 1 if
+    vLLM failed or its engine died, else 0 (a drained stop). Here 1 only if the exec itself failed.
 
-    What the launcher resolved reaches every API server process through a file (0600, in a private
-    directory) named in the environment; the runtime's secrets leave the environment, so vLLM's
-    engine processes never hold them."""
-    from service import vllm_contract
-    from service.engine import vllm_modelinfo
+    What the launcher resolved reaches the new process and every API server process through a file
+    (0600, in a private directory) named in the environment; the runtime's secrets leave the
+    environment, so vLLM's processes never hold them. The exec is what puts the environment vLLM's
+    docs give its processes (`vllm_environment`: LD_PRELOAD on the CPU build) into this process too,
+    the API server's, as into the engine processes it starts: a library preloads only at a
+    process's start. Nothing resolved is resolved again (no second look at the weights)."""
     from service.runtime import adapter_registry, make_engine
 
     served_name = selection.served_name(settings)
@@ -270,16 +275,37 @@ def serve(settings: Settings, selection: Selection) -> int:
     os.environ[RUNTIME_FILE_ENV] = str(state)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
-    if vllm_build() == "cpu":
-        os.environ["LD_PRELOAD"] = cpu_preload(os.environ.get("LD_PRELOAD", ""))
+    os.environ.update(vllm_environment(os.environ))
     for name in SECRET_ENV:
         os.environ.pop(name, None)
+    log.info("serving with vLLM: %s", engine.describe())
+    logging.shutdown()  # what the log's writer thread holds is written before the exec ends it
+    try:
+        os.execv(sys.executable, [sys.executable, "-c", SERVE_RESOLVED, *engine.arguments])
+    except OSError as exc:
+        print(f"error: cannot start vLLM's server: {exc}", file=sys.stderr)
+        return 1
+
+
+# What the launcher execs into (a `-c` program rather than `-m`: this module, run as __main__,
+# would be imported a second time by the contract).
+SERVE_RESOLVED = "import sys; from service.engine.vllm_server import serve_resolved; sys.exit(serve_resolved(sys.argv[1:]))"
+
+
+def serve_resolved(arguments: list[str]) -> int:
+    """vLLM's `serve ARGUMENTS` in this process, with the settings the launcher resolved; 1 if vLLM
+    failed or its engine died, else 0."""
+    from service import vllm_contract
+    from service.engine import vllm_modelinfo
+    from service.logs import configure_logging
+
+    settings = Settings(**json.loads(Path(os.environ[RUNTIME_FILE_ENV]).read_text())["settings"])
+    configure_logging(settings.log_level, settings.jsonl_logging)
     _adopt_orphans()
     vllm_modelinfo.seed()
-    log.info("serving with vLLM: %s", engine.describe())
     try:
         with json_lines_for_raw_output() if settings.jsonl_logging else contextlib.nullcontext():
-            run_vllm_serve(engine.arguments)
+            run_vllm_serve(arguments)
     except Exception as exc:  # vLLM could not start (weights, memory), or a process of its died
         log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
         return _failed()
@@ -287,6 +313,16 @@ def serve(settings: Settings, selection: Selection) -> int:
         log.error("exiting non-zero: %s", vllm_contract.failure)
         return _failed()
     return 0
+
+
+def vllm_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the runtime sets for the processes vLLM starts: on the CPU build, the LD_PRELOAD its docs
+    give (`cpu_preload`). `--dry-run` prints it before `vllm serve`, and the harness and the
+    benchmarks start vLLM's own server with it (factory.verify.container.start_vllms_own_server)."""
+    if vllm_build() != "cpu":
+        return {}
+    preload = cpu_preload(environ.get("LD_PRELOAD", ""))
+    return {"LD_PRELOAD": preload} if preload else {}
 
 
 def cpu_preload(current: str, prefix: Path = Path(sys.prefix)) -> str:

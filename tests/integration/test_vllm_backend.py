@@ -201,19 +201,24 @@ def test_the_model_class_was_inspected_when_the_image_was_built(served):
     assert generates and cached > 100, cached  # vLLM alone would have cached this model's class only
 
 
-def test_vllms_engine_processes_run_with_tcmalloc_and_intel_openmp_loaded(served):
-    """As vLLM's CPU install docs set LD_PRELOAD: in the processes that run the model, not in the
-    runtime's own (service.engine.vllm_server.cpu_preload)."""
+def preloaded(container) -> dict[str, set[str]]:
+    """Which of vLLM's CPU preloads (TCMalloc, Intel OpenMP) each process of the container has mapped,
+    by command line; `pid 1` for the container's first process."""
     def loaded(pid: int) -> set[str]:
-        maps = served.container.exec_run(["cat", f"/proc/{pid}/maps"]).output.decode()
+        maps = container.exec_run(["cat", f"/proc/{pid}/maps"]).output.decode()
         return {name for name in ("libtcmalloc_minimal", "libiomp5") if name in maps}
 
-    running = processes(served.container)
-    engines = [pid for pid, cmd in running.items() if cmd.startswith("VLLM::")]
+    running = processes(container)
+    engines = {cmd: loaded(pid) for pid, cmd in running.items() if cmd.startswith("VLLM::")}
     assert engines, f"no vLLM engine process beside the server: {running}"
-    assert all(loaded(pid) == {"libtcmalloc_minimal", "libiomp5"} for pid in engines), \
-        {running[pid]: loaded(pid) for pid in engines}
-    assert loaded(1) == set(), "the runtime's own process has them preloaded"
+    return {**engines, "pid 1": loaded(1)}
+
+
+def test_vllms_processes_run_with_tcmalloc_and_intel_openmp_loaded(served):
+    """As vLLM's CPU install docs set LD_PRELOAD: in every process of vLLM's server, the API server's
+    (the runtime's own, pid 1, which execs into it) as the engine's (service.engine.vllm_server)."""
+    seen = preloaded(served.container)
+    assert all(libraries == {"libtcmalloc_minimal", "libiomp5"} for libraries in seen.values()), seen
 
 
 def test_a_disconnect_aborts_the_request_in_vllm(served):
@@ -299,6 +304,8 @@ def test_the_harness_passes_vllms_own_server(docker_client, vllm_image, tiny_mod
     own = start_vllms_own_server(docker_client, vllm_image, timeout=START_TIMEOUT_S)
     try:
         assert not httpx.get(f"{own.url}/v1/metadata").is_success  # vLLM's server, not the runtime
+        # started as vLLM's CPU docs start it, with the LD_PRELOAD the runtime's dry run names
+        assert all(libraries == {"libtcmalloc_minimal", "libiomp5"} for libraries in preloaded(own.container).values())
         result = subprocess.run(
             [sys.executable, "-m", "factory.cli", "test", "--url", own.url, "--model", MODEL, "--suite", "openai",
              "--model-dir", str(tiny_model_dir), "--task", "inferkiln_tiny_lines:0.9",

@@ -433,3 +433,19 @@ def test_vllms_cpu_processes_get_tcmalloc_and_intel_openmp_unless_already_preloa
     assert cpu_preload("", tmp_path / "elsewhere") == "libtcmalloc_minimal.so.4"  # an environment without intel-openmp
     monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
     assert cpu_preload("", tmp_path / "elsewhere") == ""  # a base without TCMalloc: nothing to preload
+
+
+def test_the_dry_run_line_names_the_environment_vllms_processes_get(tmp_path, monkeypatch):
+    """`serve --dry-run` prints what vLLM's docs would have one type: LD_PRELOAD on the CPU build,
+    then `vllm serve` (what the harness's own-server peer is started with); nothing on other builds."""
+    import shlex
+
+    from service.engine.vllm_server import VllmServer
+
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}.get(name))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    server = VllmServer(["--model", "/models/my model"], "m", 4096, 16)
+    monkeypatch.setattr("service.engine.vllm_server.vllm_build", lambda: "cpu")
+    assert shlex.split(server.describe()) == ["LD_PRELOAD=libtcmalloc_minimal.so.4", "vllm", "serve", "--model", "/models/my model"]
+    monkeypatch.setattr("service.engine.vllm_server.vllm_build", lambda: "cuda")
+    assert server.describe() == "vllm serve --model '/models/my model'"
