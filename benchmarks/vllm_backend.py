@@ -1,8 +1,9 @@
 """The vLLM backend, side by side in one run (writes results/vllm_backend.json):
 
 (a) the runtime (vLLM's server with the NIM contract in its process) against vLLM's own server
-    started as vLLM documents it with identical arguments (the runtime's `serve --dry-run` less
-    its middleware), two containers of one vllm-cpu image, both over the docker bridge. Output
+    started as vLLM documents it with identical environment and arguments (the runtime's
+    `serve --dry-run` line less its middleware: LD_PRELOAD, then vLLM's arguments), two containers
+    of one vllm-cpu image, both over the docker bridge. Output
     tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
     pair (runs back to back, the order alternating, the machine quiet before each). On the tiny
     model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b).

@@ -326,8 +326,8 @@ def vllm_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def cpu_preload(current: str, prefix: Path = Path(sys.prefix)) -> str:
-    """LD_PRELOAD for the processes vLLM's CPU build starts (its engine core and workers, where the
-    model runs), as its CPU install docs set it ("set LD_PRELOAD"; its worker warns without): TCMalloc
+    """LD_PRELOAD for vLLM's CPU build (its API server, engine core and workers), as its CPU install
+    docs set it ("set LD_PRELOAD"; its worker warns without): TCMalloc
     (Debian's libtcmalloc-minimal4, in the base image) and Intel OpenMP (its wheel's intel-openmp
     dependency), each unless `current` already names one. Not the image's environment: the torch
     engine, which the vllm-cpu image also runs, decoded 0.63-0.75x as fast with Intel OpenMP preloaded
