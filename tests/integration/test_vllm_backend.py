@@ -28,6 +28,7 @@ from factory.tinymodel import Recipe, ensure_tiny_model, memorised_pairs
 from factory.tinymodel.adapter import adapter_pairs, ensure_tiny_adapter, random_adapter
 from factory.verify.container import POD_LIKE, start_model, start_vllms_own_server
 from factory.verify.lm_eval_tasks import run_tasks
+from service.engine.vllm_server import SERVE_RESOLVED
 from service.image_contract import PORT
 from tests.conftest import metric, scrape
 from tests.fuzzing import CANNOT_HOLD, fuzz
@@ -465,7 +466,7 @@ def test_two_api_server_processes_keep_the_contract_and_add_up_their_metrics(doc
             assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == sum(
                 u["completion_tokens"] for u in usages)
             assert metric(after, "request_success_total") - metric(before, "request_success_total") == 16
-        server = next(pid for pid, cmd in processes(container).items() if "-m service serve" in cmd)
+        server = next(pid for pid, cmd in processes(container).items() if SERVE_RESOLVED in cmd)
         container.exec_run(["/bin/sh", "-c", f"kill -TERM {server}"])
         assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") == 0
         assert processes(container) == {}, "processes outlived the runtime"
@@ -544,7 +545,7 @@ def test_lora_adapters_are_vllms_own_and_follow_the_source(with_adapters):
 def test_sigterm_drains_in_flight_requests_then_stops_vllm_and_exits_0(with_adapters):
     """Last on its container, the LoRA test's: it stops it."""
     *_, container, url = with_adapters
-    runtime_pid = next(pid for pid, cmd in processes(container).items() if "-m service serve" in cmd)
+    runtime_pid = next(pid for pid, cmd in processes(container).items() if SERVE_RESOLVED in cmd)
     body = {"model": MODEL, "prompt": "the", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
         lines = stream.iter_lines()
