@@ -246,21 +246,18 @@ def test_streams_ask_the_engine_for_usage_and_remember_whether_the_client_did():
     assert _asking_for_usage(plain, rewrite=False) == (plain, True)  # /v1/responses carries usage anyway
 
 
-def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys):
+def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys, restored_logging):
     settings = load_settings({}, {"NIM_JSONL_LOGGING": "1"})
     config = json.loads(write_logging_config(tmp_path, settings).read_text())
     logging.config.dictConfig(config)
-    try:
-        token = request_id_var.set("req-7")
-        logging.getLogger("vllm.engine").info("hello %s", "there")
-        request_id_var.reset(token)
-        for handler in logging.getLogger().handlers:
-            handler.close()  # what its writer thread had queued is written
-        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-        assert (line["logger"], line["message"], line["request_id"], line["level"]) == (
-            "vllm.engine", "hello there", "req-7", "INFO")
-    finally:
-        logging.getLogger().handlers[:] = []
+    token = request_id_var.set("req-7")
+    logging.getLogger("vllm.engine").info("hello %s", "there")
+    request_id_var.reset(token)
+    for handler in logging.getLogger().handlers:
+        handler.close()  # what its writer thread had queued is written
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert (line["logger"], line["message"], line["request_id"], line["level"]) == (
+        "vllm.engine", "hello there", "req-7", "INFO")
 
 
 def test_the_passthrough_app_refuses_other_methods_and_waits_for_readiness():
