@@ -241,18 +241,23 @@ def main() -> None:
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
         result: dict = {}
         llama_76m = functools.cache(lambda: make_76m_llama(Path(tmp) / "llama-76m"))  # made on first use
-        parts = {"a_runtime_overhead": lambda: {
-                     "tiny": part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16),
-                     # its requests take seconds: fewer rounds, and 16 tokens a request one by one
-                     "llama-76m": part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16,
-                                         per_stream=4)},
-                 "b_torch_vs_vllm": lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()}),
-                 "c_vllm_cpu_image": lambda: part_c(client, specs["vllm"], not args.skip_cold_build)}
-        for name, part in parts.items():
-            if name[0] not in args.parts.split(","):
+        # (part, key, model, run): each kept in the JSON as soon as it is measured, a model at a time
+        steps = [("a", "a_runtime_overhead", "tiny",
+                  lambda: part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16)),
+                 # its requests take seconds: fewer rounds, and 16 tokens a request one by one
+                 ("a", "a_runtime_overhead", "llama-76m",
+                  lambda: part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16,
+                                 per_stream=4)),
+                 ("b", "b_torch_vs_vllm", None, lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()})),
+                 ("c", "c_vllm_cpu_image", None, lambda: part_c(client, specs["vllm"], not args.skip_cold_build))]
+        for part, key, model, run in steps:
+            if part not in args.parts.split(","):
                 continue
-            result[name] = part()
-            path = write_result("vllm_backend", result, args.out)  # each part kept as soon as it is measured
+            if model is None:
+                result[key] = run()
+            else:
+                result.setdefault(key, {})[model] = run()
+            path = write_result("vllm_backend", result, args.out)
     print(yaml.safe_dump(result, sort_keys=False))
     print(path)
 
