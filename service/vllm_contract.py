@@ -13,33 +13,29 @@ INFERKILN_RUNTIME_FILE; an API server process started by vLLM holds no other sta
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import signal
-from pathlib import Path
 
 from service.admission import drain_then_stop
 from service.api.passthrough import PASSED, PassthroughApp
 from service.app import build_app, with_contract_layers
-from service.engine.vllm_server import RUNTIME_FILE_ENV, VllmServer
-from service.model_signature import Verification
+from service.engine.vllm_server import Resolved, VllmServer
 from service.profiles import detect_hardware
 from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 failure: str | None = None  # why this process's engine failed; the launcher then exits non-zero
 
 
-def runtime_from_file(path: Path) -> Runtime:
-    state = json.loads(path.read_text())
-    settings = Settings(**state["settings"])
-    manifest, _ = load_model_manifest(settings)
-    profile = next(p for p in manifest.profiles if p.id == state["profile_id"])
-    verification = Verification(**state["verification"]) if state.get("verification") else None
-    return build_runtime(settings, Selection(manifest, detect_hardware(), profile, Path(state["model_dir"]), verification))
+def resolved_runtime() -> Runtime:
+    """The runtime the launcher resolved, built again in this API server process (no second look
+    at the weights: their verification comes with the rest)."""
+    resolved = Resolved.read()
+    manifest, _ = load_model_manifest(resolved.settings)
+    profile = next(p for p in manifest.profiles if p.id == resolved.profile_id)
+    return build_runtime(resolved.settings, Selection(manifest, detect_hardware(), profile, resolved.model_dir,
+                                                      resolved.verification))
 
 
 class NimContract:
@@ -47,7 +43,7 @@ class NimContract:
 
     def __init__(self, app) -> None:
         self.app = app  # vLLM's ASGI stack below this middleware
-        self.runtime = runtime_from_file(Path(os.environ[RUNTIME_FILE_ENV]))
+        self.runtime = resolved_runtime()
         assert isinstance(self.runtime.engine, VllmServer), "the runtime file names a vLLM profile"
         self.contract = build_app(self.runtime, on_fatal=self._fatal)
         self.inference = with_contract_layers(PassthroughApp(self.runtime), self.runtime.settings)

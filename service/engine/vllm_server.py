@@ -30,7 +30,7 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from service.adapters import Adapter, AdapterRegistry
 from service.engine.base import EngineError, EngineStats, PassthroughEngine
 from service.logs import json_lines_for_raw_output
 from service.manifest import Profile
+from service.model_signature import Verification
 from service.profiles import vllm_build
 from service.settings import SECRET_ENV, Settings
 
@@ -251,6 +252,31 @@ def gauges_from_vllm(text: str, max_num_seqs: int, previous: EngineStats) -> Eng
 
 
 # -- the hand-over: this process becomes vLLM's server ------------------------------------------
+@dataclass(frozen=True)
+class Resolved:
+    """What the launcher resolved, in a file (0600, in a private directory) named in the environment:
+    how it reaches the process the launcher execs into and every API server process vLLM starts."""
+
+    settings: Settings
+    profile_id: str
+    model_dir: Path
+    verification: Verification | None
+
+    def write(self, path: Path) -> None:
+        path.touch(mode=0o600)
+        path.write_text(json.dumps({"settings": self.settings.model_dump(), "profile_id": self.profile_id,
+                                    "model_dir": str(self.model_dir),
+                                    "verification": self.verification and asdict(self.verification)}))
+        os.environ[RUNTIME_FILE_ENV] = str(path)
+
+    @classmethod
+    def read(cls) -> Resolved:
+        state = json.loads(Path(os.environ[RUNTIME_FILE_ENV]).read_text())
+        verification = state["verification"]
+        return cls(Settings(**state["settings"]), state["profile_id"], Path(state["model_dir"]),
+                   Verification(**verification) if verification else None)
+
+
 def serve(settings: Settings, selection: Selection) -> int:
     """Hand this process over to vLLM's `serve`: it execs into `serve_resolved`, which returns 1 if
     vLLM failed or its engine died, else 0 (a drained stop). Here 1 only if the exec itself failed.
@@ -267,12 +293,7 @@ def serve(settings: Settings, selection: Selection) -> int:
     adapters = adapter_registry(settings, selection.model_dir, served_name)  # vLLM's --lora-modules
     engine = make_engine(settings, selection.profile, selection.model_dir, served_name, adapters)
     private = Path(tempfile.mkdtemp(prefix="inferkiln-"))
-    state = private / "runtime.json"
-    state.touch(mode=0o600)
-    state.write_text(json.dumps({"settings": settings.model_dump(), "profile_id": selection.profile.id,
-                                 "model_dir": str(selection.model_dir),
-                                 "verification": selection.verification and asdict(selection.verification)}))
-    os.environ[RUNTIME_FILE_ENV] = str(state)
+    Resolved(settings, selection.profile.id, selection.model_dir, selection.verification).write(private / "runtime.json")
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
     os.environ.update(vllm_environment(os.environ))
@@ -299,7 +320,7 @@ def serve_resolved(arguments: list[str]) -> int:
     from service.engine import vllm_modelinfo
     from service.logs import configure_logging
 
-    settings = Settings(**json.loads(Path(os.environ[RUNTIME_FILE_ENV]).read_text())["settings"])
+    settings = Resolved.read().settings
     configure_logging(settings.log_level, settings.jsonl_logging)
     _adopt_orphans()
     vllm_modelinfo.seed()

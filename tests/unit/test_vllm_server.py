@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import logging.config
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,10 +14,12 @@ import pytest
 from service.admission import Admission
 from service.api.passthrough import Passthrough, _asking_for_usage, _refused_before_the_engine, openai_error
 from service.engine.base import EngineStats
-from service.engine.vllm_server import MIDDLEWARE, cpu_preload, gauges_from_vllm, vllm_arguments, write_logging_config
+from service.engine.vllm_server import (MIDDLEWARE, RUNTIME_FILE_ENV, Resolved, cpu_preload, gauges_from_vllm,
+                                        vllm_arguments, write_logging_config)
 from service.logs import request_id_var
 from service.manifest import Profile, ProfileTags
 from service.metrics import ServiceMetrics
+from service.model_signature import Verification
 from service.settings import Settings, SettingsError, load_settings
 
 
@@ -446,3 +449,14 @@ def test_the_dry_run_line_names_the_environment_vllms_processes_get(tmp_path, mo
     assert shlex.split(server.describe()) == ["LD_PRELOAD=libtcmalloc_minimal.so.4", "vllm", "serve", "--model", "/models/my model"]
     monkeypatch.setattr("service.engine.vllm_server.vllm_build", lambda: "cuda")
     assert server.describe() == "vllm serve --model '/models/my model'"
+
+
+@pytest.mark.parametrize("verification", [None, Verification("verified", key="ab" * 32, artifact="oci://r/m@sha256:" + "0" * 64)])
+def test_what_the_launcher_resolved_reaches_vllms_processes_as_it_was(tmp_path, monkeypatch, verification):
+    monkeypatch.delenv(RUNTIME_FILE_ENV, raising=False)
+    settings = load_settings({}, {"NIM_API_KEY": "secret", "NIM_MAX_MODEL_LEN": "512"})
+    resolved = Resolved(settings, "p1", tmp_path / "weights", verification)
+    resolved.write(tmp_path / "runtime.json")
+    assert os.environ[RUNTIME_FILE_ENV] == str(tmp_path / "runtime.json")  # what vLLM's processes inherit
+    assert (tmp_path / "runtime.json").stat().st_mode & 0o777 == 0o600  # it holds the API key
+    assert Resolved.read() == resolved
