@@ -324,7 +324,7 @@ class _SlowStream:
 
     def write(self, text: str) -> None:
         self.release.wait(5)
-        self.lines.append(text)
+        self.lines += text.splitlines()  # the handler's writer may write several lines at once
 
     def flush(self) -> None:
         pass
@@ -460,3 +460,20 @@ def test_what_the_launcher_resolved_reaches_vllms_processes_as_it_was(tmp_path, 
     assert os.environ[RUNTIME_FILE_ENV] == str(tmp_path / "runtime.json")  # what vLLM's processes inherit
     assert (tmp_path / "runtime.json").stat().st_mode & 0o777 == 0o600  # it holds the API key
     assert Resolved.read() == resolved
+
+
+def test_the_writer_writes_the_lines_of_a_burst_together(tmp_path, restored_logging):
+    """Lines logged within BATCH_S of the first go out in one write: a busy server wakes the writer
+    thread a few times a second, not once a line."""
+    import time
+
+    from service import logs
+
+    writes: list[str] = []
+    stream = SimpleNamespace(write=writes.append, flush=lambda: None)
+    logging.config.dictConfig(vllm_logging_config(tmp_path, stream))
+    for i in range(20):
+        logging.getLogger("service").info("line %d", i)
+    time.sleep(logs.BATCH_S * 3)
+    assert len(writes) < 5
+    assert [json.loads(line)["message"] for w in writes for line in w.splitlines()] == [f"line {i}" for i in range(20)]
