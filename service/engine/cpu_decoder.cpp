@@ -1,10 +1,15 @@
-// The fp32 decoder layer's small ops fused, beside linear_fp32 (cpu_gemm.cpp) in the same library:
-//   rms_norm_fp32       RMSNorm of each row
-//   add_rms_norm_fp32   the residual add and the next RMSNorm in one pass (hidden += y, in place)
-//   rope_store_fp32     rotary positions on q's and k's heads (in place) and k, v into the paged cache
-//   decode_attention_fp32  one query a sequence over its cache rows, read where they lie
-//   decode_layers_fp32  every layer of a decode step (one token a sequence), these and the matmuls
-//                       called from here: one call from the graph instead of ~15 a layer
+// The decoder layer's small ops fused, beside linear_fp32 (cpu_gemm.cpp) and linear_bf16
+// (cpu_gemm_bf16.cpp) in the same library, for fp32 and for bf16 tensors:
+//   rms_norm          RMSNorm of each row
+//   add_rms_norm      the residual add and the next RMSNorm in one pass (hidden += y, in place)
+//   rope_store        rotary positions on q's and k's heads (in place) and k, v into the paged cache
+//   decode_attention  one query a sequence over its cache rows, read where they lie
+//   decode_layers     every layer of a decode step (one token a sequence), these and the matmuls
+//                     called from here: one call from the graph instead of ~15 a layer
+// In bf16 each op rounds where the aten ops it replaces round (llama_graph.py: the norm computed
+// in fp32, rounded, then times the weight; rotary's two products and their sum each rounded; the
+// residual add rounded), and attention computes in fp32 from the bf16 cache, as the upcast SDPA
+// did, rounding its output once. The arithmetic is fp32 throughout (AVX2: the library's ISA).
 // Run as aten ops from TorchScript these were ~25 calls a layer (the norm alone 5 kernels, attention
 // a gather of every key and value before SDPA); a c=1 decode step of the 76M shape spent 2-4 ms of
 // its 13-16 ms in them on the 2-core EPYC. Why each exists: llama_graph.py.
@@ -16,14 +21,33 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace inferkiln {
 at::Tensor linear_fp32(const at::Tensor& input, const at::Tensor& packed, int64_t n,
                        const c10::optional<at::Tensor>& bias);  // cpu_gemm.cpp
+at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias);  // cpu_gemm_bf16.cpp
 }  // namespace inferkiln
 
 namespace {
+
+using at::BFloat16;
+
+// 8 elements as fp32: bf16's 16 bits are the top half of its fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// x rounded to T (bf16: to nearest even, as aten rounds); the identity for fp32
+template <typename T>
+inline T rounded(float x) { return static_cast<T>(x); }
+
+template <typename T>
+constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
 
 inline float horizontal_sum(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -31,56 +55,74 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const T* a, const T* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), acc0);
   float sum = horizontal_sum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += static_cast<float>(a[i]) * static_cast<float>(b[i]);
   return sum;
 }
 
 // Asks for `count` floats from `from` ahead of their use: a cache row's run of heads starts where the
 // row's block lies, which no prefetcher can guess at a block's end.
 constexpr int64_t kAhead = 4;  // rows ahead
-inline void prefetch(const float* from, int64_t count) {
-  for (int64_t i = 0; i < count; i += 16) _mm_prefetch(reinterpret_cast<const char*>(from + i), _MM_HINT_T0);
+template <typename T>
+inline void prefetch(const T* from, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(from + i), _MM_HINT_T0);
 }
 
 // y += a * x
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {
   const __m256 av = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
   }
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
-// out = x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm computes it in fp32
-inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+// out = x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm computes it in fp32 (in bf16:
+// the normed row rounded before the weight multiplies it)
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   const float inverse = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inverse);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = rounded<T>(static_cast<float>(w[i]) * static_cast<float>(rounded<T>(static_cast<float>(x[i]) * inverse)));
+  }
 }
 
-void check_weight(const at::Tensor& weight, int64_t n) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
-              "weight must be [features], float32");
+// The element type of the fused ops: float32 or bfloat16, named by the tensor that decides it.
+void check_type(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
 }
 
-void check_cache(const at::Tensor& keys, const at::Tensor& values) {
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 3 && keys.is_contiguous() &&
-                  values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat && values.is_contiguous(),
-              "keys and values must be one layer's cache, float32");
+void check_weight(const at::Tensor& weight, int64_t n, at::ScalarType type) {
+  TORCH_CHECK(weight.scalar_type() == type && weight.is_contiguous() && weight.numel() == n,
+              "weight must be [features], of x's dtype");
+}
+
+void check_cache(const at::Tensor& keys, const at::Tensor& values, at::ScalarType type) {
+  TORCH_CHECK(keys.scalar_type() == type && keys.dim() == 3 && keys.is_contiguous() &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == type && values.is_contiguous(),
+              "keys and values must be one layer's cache, of qkv's dtype");
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  check_type(t, name);
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
+}
+
+// body<float>() or body<BFloat16>() by `type` (checked by check_type)
+template <typename F>
+auto by_type(at::ScalarType type, const F& body) {
+  return type == at::kFloat ? body(float{}) : body(BFloat16{});
 }
 
 // Rows are independent; threads take at least ~32K elements each (fewer: the team costs more than it saves).
@@ -92,58 +134,67 @@ void each_row(int64_t rows, int64_t width, const F& body) {
   });
 }
 
-at::Tensor rms_norm_fp32(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t n = x.size(1);
-  check_weight(weight, n);
+  check_weight(weight, n, x.scalar_type());
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  const float *a = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* c = out.data_ptr<float>();
-  each_row(x.size(0), n, [&](int64_t r) {
-    norm_row(a + r * x.stride(0), w, c + r * n, n, static_cast<float>(eps));
+  by_type(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T *a = x.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T* c = out.data_ptr<T>();
+    each_row(x.size(0), n, [&](int64_t r) { norm_row(a + r * x.stride(0), w, c + r * n, n, static_cast<float>(eps)); });
   });
   return out;
 }
 
-at::Tensor add_rms_norm_fp32(at::Tensor& hidden, const at::Tensor& y, const at::Tensor& weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor& hidden, const at::Tensor& y, const at::Tensor& weight, double eps) {
   check_rows(hidden, "hidden");
   check_rows(y, "y");
-  TORCH_CHECK(y.sizes() == hidden.sizes(), "y must have hidden's shape");
+  TORCH_CHECK(y.sizes() == hidden.sizes() && y.scalar_type() == hidden.scalar_type(),
+              "y must have hidden's shape and dtype");
   const int64_t n = hidden.size(1);
-  check_weight(weight, n);
+  check_weight(weight, n, hidden.scalar_type());
   at::Tensor out = at::empty({hidden.size(0), n}, hidden.options());
-  float* h = hidden.data_ptr<float>();
-  const float *b = y.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* c = out.data_ptr<float>();
-  each_row(hidden.size(0), n, [&](int64_t r) {
-    float* row = h + r * hidden.stride(0);
-    const float* add = b + r * y.stride(0);
-    for (int64_t i = 0; i < n; ++i) row[i] += add[i];
-    norm_row(row, w, c + r * n, n, static_cast<float>(eps));
+  by_type(hidden.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    T* h = hidden.data_ptr<T>();
+    const T *b = y.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T* c = out.data_ptr<T>();
+    each_row(hidden.size(0), n, [&](int64_t r) {
+      T* row = h + r * hidden.stride(0);
+      const T* add = b + r * y.stride(0);
+      for (int64_t i = 0; i < n; ++i) row[i] = rounded<T>(static_cast<float>(row[i]) + static_cast<float>(add[i]));
+      norm_row(row, w, c + r * n, n, static_cast<float>(eps));
+    });
   });
   return out;
 }
 
 // One head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]).
-inline void rotate_head(float* x, const float* cos, const float* sin, int64_t dim) {
+template <typename T>
+inline void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float first = x[i], second = x[i + half];
-    x[i] = first * cos[i] - second * sin[i];
-    x[i + half] = second * cos[i + half] + first * sin[i + half];
+    x[i] = rounded<T>(static_cast<float>(rounded<T>(first * static_cast<float>(cos[i]))) -
+                      static_cast<float>(rounded<T>(second * static_cast<float>(sin[i]))));
+    x[i + half] = rounded<T>(static_cast<float>(rounded<T>(second * static_cast<float>(cos[i + half]))) +
+                             static_cast<float>(rounded<T>(first * static_cast<float>(sin[i + half]))));
   }
 }
 
-void rope_store_fp32(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
-                     at::Tensor& keys, at::Tensor& values, const at::Tensor& rows) {
+void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                at::Tensor& keys, at::Tensor& values, const at::Tensor& rows) {
   check_rows(qkv, "qkv");
-  check_cache(keys, values);
+  const at::ScalarType type = qkv.scalar_type();
+  check_cache(keys, values, type);
   const int64_t tokens = qkv.size(0), dim = keys.size(2);
   TORCH_CHECK(keys.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * dim,
               "qkv's width must be (heads + 2 kv_heads) x head_dim");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == tokens &&
+  TORCH_CHECK(cos.scalar_type() == type && sin.scalar_type() == type && cos.size(0) == tokens &&
               sin.size(0) == tokens && cos.size(-1) == dim && sin.size(-1) == dim && cos.stride(-1) == 1 &&
-              sin.stride(-1) == 1, "cos and sin must be [tokens, ..., head_dim]");
+              sin.stride(-1) == 1, "cos and sin must be [tokens, ..., head_dim], of qkv's dtype");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == tokens,
               "rows must be [tokens] int64");
   const at::Tensor where = rows.contiguous();
@@ -152,23 +203,80 @@ void rope_store_fp32(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(row[t] >= 0 && row[t] < cache_rows, "a cache row is out of range");
   }
-  float* base = qkv.data_ptr<float>();
-  float *k_cache = keys.data_ptr<float>(), *v_cache = values.data_ptr<float>();
-  each_row(tokens, qkv.size(1), [&](int64_t t) {
-    float* x = base + t * qkv.stride(0);
-    const float *c = cos.data_ptr<float>() + t * cos.stride(0), *s = sin.data_ptr<float>() + t * sin.stride(0);
-    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_head(x + h * dim, c, s, dim);
-    std::copy(x + heads * dim, x + heads * dim + kv_width, k_cache + row[t] * kv_width);
-    std::copy(x + heads * dim + kv_width, x + heads * dim + 2 * kv_width, v_cache + row[t] * kv_width);
+  by_type(type, [&](auto zero) {
+    using T = decltype(zero);
+    T* base = qkv.data_ptr<T>();
+    T *k_cache = keys.data_ptr<T>(), *v_cache = values.data_ptr<T>();
+    each_row(tokens, qkv.size(1), [&](int64_t t) {
+      T* x = base + t * qkv.stride(0);
+      const T *c = cos.data_ptr<T>() + t * cos.stride(0), *s = sin.data_ptr<T>() + t * sin.stride(0);
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_head(x + h * dim, c, s, dim);
+      std::copy(x + heads * dim, x + heads * dim + kv_width, k_cache + row[t] * kv_width);
+      std::copy(x + heads * dim + kv_width, x + heads * dim + 2 * kv_width, v_cache + row[t] * kv_width);
+    });
   });
 }
 
-at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t heads, const at::Tensor& keys,
-                                 const at::Tensor& values, const at::Tensor& rows, const at::Tensor& positions,
-                                 double scale) {
+// The attention of sequences s (one query each) over their cache rows, into `o` [count, heads*dim];
+// sums in fp32, each head's output rounded to T once.
+template <typename T>
+void attend(const T* q, int64_t q_stride, const T* k, const T* v, T* o, const int64_t* row, const int64_t* position,
+            int64_t count, int64_t span, int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  const int64_t group = heads / kv_heads, kv_width = kv_heads * dim;
+  // A task is a sequence's run of KV heads, read position by position: a cache row holds every KV
+  // head side by side, and a block's rows lie one after another, so a task streams the cache where
+  // a head at a time took 256 bytes of every 3 KB row (the 76M shape), and the attention of a c=1
+  // step waited on memory. A sequence is split into as many runs as there are threads (c=1), at
+  // most one a KV head. Each head's arithmetic is as before, in the same order.
+  const int64_t runs = std::min(kv_heads, std::max<int64_t>(1, at::get_num_threads() / std::max<int64_t>(1, count)));
+  const int64_t per_run = (kv_heads + runs - 1) / runs;
+  at::parallel_for(0, count * runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_run * group * span), totals(per_run * group), sums(per_run * group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / runs, first_kv = (task % runs) * per_run;
+      const int64_t last_kv = std::min(kv_heads, first_kv + per_run), length = position[s] + 1;
+      const int64_t first_head = first_kv * group, task_heads = (last_kv - first_kv) * group;
+      const T* query = q + s * q_stride + first_head * dim;
+      const int64_t* seq_rows = row + s * span;
+      const int64_t run_width = (last_kv - first_kv) * dim;
+      // the task's run of heads in position j's cache row
+      auto run_at = [&](const T* cache, int64_t j) { return cache + seq_rows[j] * kv_width + first_kv * dim; };
+      for (int64_t j = 0; j < length; ++j) {
+        if (j + kAhead < length) prefetch(run_at(k, j + kAhead), run_width);
+        const T* key = run_at(k, j);
+        for (int64_t h = 0; h < task_heads; ++h) {
+          scores[h * span + j] = dot(query + h * dim, key + (h / group) * dim, dim) * scale;
+        }
+      }
+      std::fill(totals.begin(), totals.begin() + task_heads, 0.0f);
+      for (int64_t h = 0; h < task_heads; ++h) {
+        float* head_scores = scores.data() + h * span;
+        const float top = *std::max_element(head_scores, head_scores + length);
+        for (int64_t j = 0; j < length; ++j) {
+          head_scores[j] = std::exp(head_scores[j] - top);
+          totals[h] += head_scores[j];
+        }
+      }
+      std::fill(sums.begin(), sums.begin() + task_heads * dim, 0.0f);
+      for (int64_t j = 0; j < length; ++j) {
+        if (j + kAhead < length) prefetch(run_at(v, j + kAhead), run_width);
+        const T* value = run_at(v, j);
+        for (int64_t h = 0; h < task_heads; ++h) axpy(sums.data() + h * dim, scores[h * span + j], value + (h / group) * dim, dim);
+      }
+      T* result = o + s * heads * dim + first_head * dim;
+      for (int64_t h = 0; h < task_heads; ++h) {
+        for (int64_t i = 0; i < dim; ++i) result[h * dim + i] = rounded<T>(sums[h * dim + i] / totals[h]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& qkv, int64_t first, int64_t heads, const at::Tensor& keys,
+                            const at::Tensor& values, const at::Tensor& rows, const at::Tensor& positions,
+                            double scale) {
   check_rows(qkv, "qkv");
-  check_cache(keys, values);
-  const int64_t kv_heads = keys.size(1), dim = keys.size(2), group = heads / kv_heads;
+  check_cache(keys, values, qkv.scalar_type());
+  const int64_t kv_heads = keys.size(1), dim = keys.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && qkv.size(1) >= heads * dim,
               "q's heads must be a multiple of the cache's");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && positions.scalar_type() == at::kLong &&
@@ -184,54 +292,10 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
     }
   }
   at::Tensor out = at::empty({count, heads * dim}, qkv.options());
-  const float *q = qkv.data_ptr<float>(), *k = keys.data_ptr<float>(), *v = values.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t kv_width = kv_heads * dim;
-  // A task is a sequence's run of KV heads, read position by position: a cache row holds every KV
-  // head side by side, and a block's rows lie one after another, so a task streams the cache where
-  // a head at a time took 256 bytes of every 3 KB row (the 76M shape), and the attention of a c=1
-  // step waited on memory. A sequence is split into as many runs as there are threads (c=1), at
-  // most one a KV head. Each head's arithmetic is as before, in the same order.
-  const int64_t runs = std::min(kv_heads, std::max<int64_t>(1, at::get_num_threads() / std::max<int64_t>(1, count)));
-  const int64_t per_run = (kv_heads + runs - 1) / runs;
-  at::parallel_for(0, count * runs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_run * group * span), totals(per_run * group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / runs, first_kv = (task % runs) * per_run;
-      const int64_t last_kv = std::min(kv_heads, first_kv + per_run), length = position[s] + 1;
-      const int64_t first_head = first_kv * group, task_heads = (last_kv - first_kv) * group;
-      const float* query = q + (first + s) * qkv.stride(0) + first_head * dim;
-      const int64_t* seq_rows = row + s * span;
-      const int64_t run_width = (last_kv - first_kv) * dim;
-      // the task's run of heads in position j's cache row
-      auto run_at = [&](const float* cache, int64_t j) { return cache + seq_rows[j] * kv_width + first_kv * dim; };
-      for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(run_at(k, j + kAhead), run_width);
-        const float* key = run_at(k, j);
-        for (int64_t h = 0; h < task_heads; ++h) {
-          scores[h * span + j] = dot(query + h * dim, key + (h / group) * dim, dim) * static_cast<float>(scale);
-        }
-      }
-      std::fill(totals.begin(), totals.begin() + task_heads, 0.0f);
-      for (int64_t h = 0; h < task_heads; ++h) {
-        float* head_scores = scores.data() + h * span;
-        const float top = *std::max_element(head_scores, head_scores + length);
-        for (int64_t j = 0; j < length; ++j) {
-          head_scores[j] = std::exp(head_scores[j] - top);
-          totals[h] += head_scores[j];
-        }
-      }
-      float* result = o + s * heads * dim + first_head * dim;
-      std::fill(result, result + task_heads * dim, 0.0f);
-      for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(run_at(v, j + kAhead), run_width);
-        const float* value = run_at(v, j);
-        for (int64_t h = 0; h < task_heads; ++h) axpy(result + h * dim, scores[h * span + j], value + (h / group) * dim, dim);
-      }
-      for (int64_t h = 0; h < task_heads; ++h) {
-        for (int64_t i = 0; i < dim; ++i) result[h * dim + i] /= totals[h];
-      }
-    }
+  by_type(qkv.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    attend(qkv.data_ptr<T>() + first * qkv.stride(0), qkv.stride(0), keys.data_ptr<T>(), values.data_ptr<T>(),
+           out.data_ptr<T>(), row, position, count, span, heads, kv_heads, dim, static_cast<float>(scale));
   });
   return out;
 }
@@ -240,10 +304,11 @@ at::Tensor decode_attention_fp32(const at::Tensor& qkv, int64_t first, int64_t h
 // The decoder layers for one token a sequence (llama_graph.LlamaGraph._layers' fused decode, the
 // same kernels in the same order, so the same floats): `hidden` [sequences, hidden] is the
 // embedding, added to in place; returns the final norm of the last layer's output. Weights are 4
-// a layer (qkv, o, gate_up, down) in panels, norms 2 a layer; keys/values [layers, rows, kv_heads,
-// head_dim]; `written` the cache row of each new token, `rows` [sequences, span] and `positions`
-// as decode_attention_fp32 takes them. The activation is SiLU (the caller's check).
-at::Tensor decode_layers_fp32(at::Tensor& hidden, at::TensorList weights, at::IntArrayRef columns,
+// a layer (qkv, o, gate_up, down) in panels of hidden's dtype (fp32's or bf16's), norms 2 a layer;
+// keys/values [layers, rows, kv_heads, head_dim]; `written` the cache row of each new token, `rows`
+// [sequences, span] and `positions` as decode_attention takes them. The activation is SiLU (the
+// caller's check).
+at::Tensor decode_layers(at::Tensor& hidden, at::TensorList weights, at::IntArrayRef columns,
                               const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList norms,
                               const at::Tensor& final_norm, double eps, at::Tensor& keys, at::Tensor& values,
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& written,
@@ -253,22 +318,25 @@ at::Tensor decode_layers_fp32(at::Tensor& hidden, at::TensorList weights, at::In
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(columns.size()) == 4 * layers &&
                   static_cast<int64_t>(biases.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers,
               "4 weights and 2 norms a layer");
+  check_type(hidden, "hidden");
   const int64_t kv_heads = keys.size(2);
+  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   auto linear = [&](const at::Tensor& x, int64_t w) {
-    return inferkiln::linear_fp32(x, weights[w], columns[w], biases.get(w));
+    return bf16 ? inferkiln::linear_bf16(x, weights[w], columns[w], biases.get(w))
+                : inferkiln::linear_fp32(x, weights[w], columns[w], biases.get(w));
   };
-  at::Tensor x = rms_norm_fp32(hidden, norms[0], eps);
+  at::Tensor x = rms_norm(hidden, norms[0], eps);
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t w = 4 * layer;
     at::Tensor k = keys.select(0, layer), v = values.select(0, layer);
     at::Tensor qkv = linear(x, w);
-    rope_store_fp32(qkv, cos, sin, heads, kv_heads, k, v, written);
-    x = add_rms_norm_fp32(hidden, linear(decode_attention_fp32(qkv, 0, heads, k, v, rows, positions, scale), w + 1),
+    rope_store(qkv, cos, sin, heads, kv_heads, k, v, written);
+    x = add_rms_norm(hidden, linear(decode_attention(qkv, 0, heads, k, v, rows, positions, scale), w + 1),
                           norms[2 * layer + 1], eps);
     const at::Tensor gate_up = linear(x, w + 2);
     const int64_t half = gate_up.size(1) / 2;
     const at::Tensor mixed = at::silu(gate_up.narrow(1, 0, half)).mul_(gate_up.narrow(1, half, half));
-    x = add_rms_norm_fp32(hidden, linear(mixed, w + 3), layer + 1 < layers ? norms[2 * layer + 2] : final_norm, eps);
+    x = add_rms_norm(hidden, linear(mixed, w + 3), layer + 1 < layers ? norms[2 * layer + 2] : final_norm, eps);
   }
   return x;
 }
@@ -277,9 +345,9 @@ at::Tensor decode_layers_fp32(at::Tensor& hidden, at::TensorList weights, at::In
 
 // The schemas are defined in cpu_gemm.py, as linear_fp32's is.
 TORCH_LIBRARY_IMPL(inferkiln, CPU, m) {
-  m.impl("rms_norm_fp32", &rms_norm_fp32);
-  m.impl("add_rms_norm_fp32", &add_rms_norm_fp32);
-  m.impl("rope_store_fp32", &rope_store_fp32);
-  m.impl("decode_attention_fp32", &decode_attention_fp32);
-  m.impl("decode_layers_fp32", &decode_layers_fp32);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store", &rope_store);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layers", &decode_layers);
 }

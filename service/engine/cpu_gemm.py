@@ -18,9 +18,9 @@ bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-
 chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5
 against oneDNN's 8.1 ms at one row and 6.3 against 9.1 at 8.
 
-The same library holds the decoder layer's small ops, fused (cpu_decoder.cpp: the norms, the
-residual adds, rotary positions with the cache writes, decode attention over the paged cache). The
-graph runs them where its matmuls run in panels (llama_graph.LlamaGraph.fused).
+The same library holds the decoder layer's small ops, fused, for fp32 and bf16 (cpu_decoder.cpp:
+the norms, the residual adds, rotary positions with the cache writes, decode attention over the
+paged cache). The graph runs them where its matmuls run in panels (llama_graph.LlamaGraph.fused).
 
 The library is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
 service.engine.cpu_gemm`), or on first use where a compiler is at hand (the cache below); with
@@ -57,13 +57,13 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = torch.library.Library("inferkiln", "DEF")
 _LIBRARY.define("linear_fp32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
 _LIBRARY.define("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
-_LIBRARY.define("rms_norm_fp32(Tensor x, Tensor weight, float eps) -> Tensor")
-_LIBRARY.define("add_rms_norm_fp32(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
-_LIBRARY.define("rope_store_fp32(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
+_LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("add_rms_norm(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
                 "Tensor(c!) values, Tensor rows) -> ()")
-_LIBRARY.define("decode_attention_fp32(Tensor qkv, int first, int heads, Tensor keys, Tensor values, Tensor rows, "
+_LIBRARY.define("decode_attention(Tensor qkv, int first, int heads, Tensor keys, Tensor values, Tensor rows, "
                 "Tensor positions, float scale) -> Tensor")
-_LIBRARY.define("decode_layers_fp32(Tensor(a!) hidden, Tensor[] weights, int[] columns, Tensor?[] biases, Tensor[] norms, "
+_LIBRARY.define("decode_layers(Tensor(a!) hidden, Tensor[] weights, int[] columns, Tensor?[] biases, Tensor[] norms, "
                 "Tensor final_norm, float eps, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
                 "Tensor written, Tensor rows, Tensor positions, int heads, float scale) -> Tensor")
 _loaded: bool | None = None

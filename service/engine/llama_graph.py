@@ -123,8 +123,8 @@ class LlamaGraph(torch.nn.Module):
     # Decode attention (one query a sequence) in fp32 for bf16/fp16 weights on a CPU without AMX for
     # that type (`upcasts_decode_attention`).
     upcast_decodes: bool
-    # The layer's small ops as cpu_decoder.cpp's fused fp32 kernels: where the matmuls run in panels
-    # (fp32 on a CPU the library suits, and loaded).
+    # The layer's small ops as cpu_decoder.cpp's fused kernels: where the matmuls run in panels (fp32's
+    # or bf16's, on a CPU the library suits, and loaded).
     fused: bool
 
     def __init__(self, model, linears: list[dict], keys: torch.Tensor, values: torch.Tensor, block_size: int,
@@ -148,7 +148,7 @@ class LlamaGraph(torch.nn.Module):
         self.cos_table, self.sin_table = rope_table
         self.act = model.config.hidden_act
         self.upcast_decodes = upcasts_decode_attention(self.embed.device, self.embed.dtype)
-        self.fused = all(layout == PANELS for layout in self.layouts)
+        self.fused = len(set(self.layouts)) == 1 and self.layouts[0] in (PANELS, PANELS_BF16)
         self.block_size, self.num_layers = block_size, len(layers)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
 
@@ -212,13 +212,13 @@ class LlamaGraph(torch.nn.Module):
         forward. Each residual add is fused with the norm after it (`_residual`).
 
         Fused, a step of decodes alone (one group of width 1, no adapters, SiLU) runs every layer in one
-        call (cpu_decoder.cpp's decode_layers_fp32: the same kernels in the same order, without the
+        call (cpu_decoder.cpp's decode_layers: the same kernels in the same order, without the
         interpreter between them)."""
         if self.fused and len(attention) == 1 and attention[0][2] == 1 and len(masks) == 0 and self.act == "silu":
             rows, positions = attention[0][3], attention[0][4]
-            return torch.ops.inferkiln.decode_layers_fp32(hidden, self.weights, self.columns, self.biases, self.norms,
-                                                          self.final_norm, self.eps, self.keys, self.values, cos, sin,
-                                                          written, rows, positions, self.num_heads, self.scaling)
+            return torch.ops.inferkiln.decode_layers(hidden, self.weights, self.columns, self.biases, self.norms,
+                                                     self.final_norm, self.eps, self.keys, self.values, cos, sin,
+                                                     written, rows, positions, self.num_heads, self.scaling)
         x = self._norm(hidden, self.norms[0])
         for index in range(self.num_layers):
             w = 4 * index
@@ -231,14 +231,14 @@ class LlamaGraph(torch.nn.Module):
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return torch.ops.inferkiln.rms_norm_fp32(x, weight, self.eps)
+            return torch.ops.inferkiln.rms_norm(x, weight, self.eps)
         return rms_norm(x, weight, self.eps)
 
     def _residual(self, hidden: torch.Tensor, y: torch.Tensor,
                   weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """hidden + y, and its norm by `weight` (fused: hidden is added to in place)."""
         if self.fused:
-            return hidden, torch.ops.inferkiln.add_rms_norm_fp32(hidden, y, weight, self.eps)
+            return hidden, torch.ops.inferkiln.add_rms_norm(hidden, y, weight, self.eps)
         hidden = hidden + y
         return hidden, rms_norm(hidden, weight, self.eps)
 
@@ -255,7 +255,7 @@ class LlamaGraph(torch.nn.Module):
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         keys, values = self.keys[index], self.values[index]
         if self.fused:
-            torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, heads, kv_heads, keys, values, written)
+            torch.ops.inferkiln.rope_store(qkv, cos, sin, heads, kv_heads, keys, values, written)
             qk = qkv[:, :q_size + kv_size].view(tokens, -1, head_dim)
         else:
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
@@ -265,8 +265,8 @@ class LlamaGraph(torch.nn.Module):
         outs: List[torch.Tensor] = []
         for first, count, width, rows, queries, mask, causal in attention:
             if width == 1 and self.fused:
-                outs.append(torch.ops.inferkiln.decode_attention_fp32(qkv, first, heads, keys, values, rows, queries,
-                                                                      self.scaling))
+                outs.append(torch.ops.inferkiln.decode_attention(qkv, first, heads, keys, values, rows, queries,
+                                                                 self.scaling))
                 continue
             q = qk[first:first + count * width, :heads].view(count, width, heads, head_dim).transpose(1, 2)
             # [count, kv_heads, end, head_dim], gathered through the block tables

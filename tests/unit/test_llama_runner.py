@@ -172,7 +172,7 @@ def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logit
     with torch.inference_mode():
         packed.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
     mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
-    assert "inferkiln::decode_layers_fp32" in alone_ops and "inferkiln::decode_layers_fp32" not in mixed_ops
+    assert "inferkiln::decode_layers" in alone_ops and "inferkiln::decode_layers" not in mixed_ops
     assert torch.allclose(alone[0], mixed[0], atol=1e-5, rtol=0)
 
 
@@ -313,10 +313,10 @@ def test_fused_norms_compute_what_torch_does():
     torch.manual_seed(1)
     for rows, width in [(1, 768), (3, 7), (70, 64), (0, 16)]:
         x, y, weight = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
-        assert torch.allclose(torch.ops.inferkiln.rms_norm_fp32(x, weight, 1e-6), F.rms_norm(x, [width], weight, 1e-6),
+        assert torch.allclose(torch.ops.inferkiln.rms_norm(x, weight, 1e-6), F.rms_norm(x, [width], weight, 1e-6),
                               atol=1e-5)
         hidden = x.clone()
-        normed = torch.ops.inferkiln.add_rms_norm_fp32(hidden, y, weight, 1e-5)
+        normed = torch.ops.inferkiln.add_rms_norm(hidden, y, weight, 1e-5)
         assert torch.allclose(hidden, x + y), "the residual is added in place"
         assert torch.allclose(normed, F.rms_norm(x + y, [width], weight, 1e-5), atol=1e-5)
 
@@ -338,26 +338,26 @@ def test_fused_rotary_and_paged_decode_attention_compute_what_the_aten_ops_do():
     expected_keys, expected_values = keys.clone(), values.clone()
     expected_keys.index_copy_(0, written, expected_qk[:, heads:])
     expected_values.index_copy_(0, written, qkv[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim))
-    torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, heads, kv_heads, keys, values, written)
+    torch.ops.inferkiln.rope_store(qkv, cos, sin, heads, kv_heads, keys, values, written)
     assert torch.allclose(qkv[:, :(heads + kv_heads) * dim].view(tokens, -1, dim), expected_qk, atol=1e-6)
     assert torch.allclose(keys, expected_keys, atol=1e-6) and torch.equal(values, expected_values)
 
     rows = torch.tensor([[8, 9, 10, 11, 0, 1, 2, 5], [20, 21, 22, 23, 24, 25, 26, 17], [30, 31, 0, 0, 0, 0, 0, 0]])
     positions = torch.tensor([7, 7, 0])  # the last sequence sees its first row alone
-    out = torch.ops.inferkiln.decode_attention_fp32(qkv, 0, heads, keys, values, rows, positions, 0.25)
+    out = torch.ops.inferkiln.decode_attention(qkv, 0, heads, keys, values, rows, positions, 0.25)
     for s in range(tokens):
         seen = rows[s, :positions[s] + 1]
         q = qkv[s, :heads * dim].view(1, heads, 1, dim)
         k, v = (cache.index_select(0, seen).transpose(0, 1).unsqueeze(0) for cache in (keys, values))
         expected = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
         assert torch.allclose(out[s], expected.flatten(), atol=1e-5), s
-    offset = torch.ops.inferkiln.decode_attention_fp32(qkv, 1, heads, keys, values, rows[1:], positions[1:], 0.25)
+    offset = torch.ops.inferkiln.decode_attention(qkv, 1, heads, keys, values, rows[1:], positions[1:], 0.25)
     assert torch.allclose(offset, out[1:]), "`first` picks the group's rows of qkv"
     threads = torch.get_num_threads()
     try:  # a sequence alone is split over the threads by its KV heads: the same floats however split
         for count in (1, 2, 4):
             torch.set_num_threads(count)
-            alone = torch.ops.inferkiln.decode_attention_fp32(qkv, 1, heads, keys, values, rows[1:2], positions[1:2], 0.25)
+            alone = torch.ops.inferkiln.decode_attention(qkv, 1, heads, keys, values, rows[1:2], positions[1:2], 0.25)
             assert torch.equal(alone[0], out[1]), count
     finally:
         torch.set_num_threads(threads)
@@ -375,7 +375,7 @@ def test_fused_decode_attention_splits_a_sequence_by_uneven_runs_of_kv_heads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        out = torch.ops.inferkiln.decode_attention_fp32(qkv, 0, heads, keys, values, rows, torch.tensor([4]), 0.3)
+        out = torch.ops.inferkiln.decode_attention(qkv, 0, heads, keys, values, rows, torch.tensor([4]), 0.3)
     finally:
         torch.set_num_threads(threads)
     k, v = (cache.index_select(0, rows[0]).transpose(0, 1).unsqueeze(0) for cache in (keys, values))
@@ -383,20 +383,108 @@ def test_fused_decode_attention_splits_a_sequence_by_uneven_runs_of_kv_heads():
     assert torch.allclose(out[0], expected.flatten(), atol=1e-5)
 
 
+BF16_STEP = 2.0 ** -7  # bf16's relative rounding step
+
+
+def test_fused_norms_in_bf16_round_where_the_graphs_aten_ops_do():
+    """In bf16 the norm is computed in fp32, rounded, then times the weight (llama_graph.rms_norm), and
+    the residual add is rounded: equal to those ops but where the fp32 sums' order differs (a step)."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(4)
+    for rows, width in [(1, 768), (3, 7), (70, 64)]:
+        x, y, weight = (torch.randn(*shape).bfloat16() for shape in ((rows, width), (rows, width), (width,)))
+        out = torch.ops.inferkiln.rms_norm(x, weight, 1e-6)
+        expected = llama_graph.rms_norm(x, weight, 1e-6)
+        assert out.dtype == torch.bfloat16 and torch.allclose(out, expected, rtol=BF16_STEP, atol=0)
+        assert (out == expected).float().mean() > 0.97, "all but a few elements are the same bf16"
+        hidden = x.clone()
+        normed = torch.ops.inferkiln.add_rms_norm(hidden, y, weight, 1e-5)
+        assert torch.equal(hidden, x + y), "the residual is added in place, rounded as aten rounds"
+        assert torch.allclose(normed, llama_graph.rms_norm(x + y, weight, 1e-5), rtol=BF16_STEP, atol=0)
+
+
+def test_fused_rotary_and_decode_attention_in_bf16_compute_what_the_graph_did():
+    """Rotary positions in bf16 round each product and their sum as the aten ops do (the same
+    bits); decode attention reads the bf16 cache and computes in fp32, as the upcast SDPA did, with
+    one rounding at the end (within a bf16 step of it)."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(5)
+    heads, kv_heads, dim, tokens, cache_rows = 4, 2, 16, 3, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).bfloat16()
+    angles = torch.rand(tokens, 1, dim // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    keys, values = (torch.randn(cache_rows, kv_heads, dim).bfloat16() for _ in range(2))
+    written = torch.tensor([5, 17, 30])
+    expected_qk = llama_graph.rotate(qkv[:, :(heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    expected_keys = keys.clone().index_copy_(0, written, expected_qk[:, heads:])
+    torch.ops.inferkiln.rope_store(qkv, cos, sin, heads, kv_heads, keys, values, written)
+    assert torch.equal(qkv[:, :(heads + kv_heads) * dim].view(tokens, -1, dim), expected_qk)
+    assert torch.equal(keys, expected_keys)
+    assert torch.equal(values[written], qkv[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim))
+
+    rows = torch.tensor([[8, 9, 10, 11, 0, 1, 2, 5], [20, 21, 22, 23, 24, 25, 26, 17], [30, 31, 0, 0, 0, 0, 0, 0]])
+    positions = torch.tensor([7, 7, 0])
+    out = torch.ops.inferkiln.decode_attention(qkv, 0, heads, keys, values, rows, positions, 0.25)
+    assert out.dtype == torch.bfloat16
+    for s in range(tokens):
+        seen = rows[s, :positions[s] + 1]
+        q = qkv[s, :heads * dim].view(1, heads, 1, dim).float()
+        k, v = (cache.index_select(0, seen).transpose(0, 1).unsqueeze(0).float() for cache in (keys, values))
+        expected = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True).flatten()
+        assert torch.allclose(out[s].float(), expected, rtol=BF16_STEP, atol=1e-3), s
+
+
+def test_a_bf16_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_per_op_logits(tiny_model_dir, setup,
+                                                                                         monkeypatch):
+    """The tiny model in bf16 panels: a step of decodes alone is one decode_layers call, whose
+    logits are the same step's within a mixed step (the per-op graph), and near fp32's."""
+    tokenizer, _, fp32 = setup
+    if not bf16_panels_run_here():
+        pytest.skip("the bf16 panels are for x86 CPUs with AVX512-BF16")
+    monkeypatch.setattr(cpu_gemm, "suits_bf16", lambda device, dtype: dtype == torch.bfloat16)
+    runner = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval(), 64, 4, 512,
+                         pack_weights=True)
+    a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
+    decode = ([5], [0, 1, 2, 3, 4, 5], len(a))
+
+    def ran(chunks) -> tuple[torch.Tensor, set[str]]:
+        runner.rezero()
+        with torch.inference_mode():
+            runner.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
+            with torch.profiler.profile() as profile:
+                logits = runner.forward(chunks)
+        return logits, {event.name for event in profile.events()}
+
+    alone, alone_ops = ran([decode])
+    mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
+    assert "inferkiln::decode_layers" in alone_ops and "inferkiln::decode_layers" not in mixed_ops
+    assert torch.allclose(alone[0], mixed[0], atol=0.05, rtol=0), (alone[0] - mixed[0]).abs().max()
+    with torch.inference_mode():
+        fp32.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
+        expected = fp32.forward([decode])
+    assert torch.equal(alone.argmax(-1), expected.argmax(-1))
+
+
 def test_fused_kernels_refuse_rows_outside_the_cache():
     if not panels_run_here():
         pytest.skip("the fused kernels are built with the AVX2 library")
     qkv, keys, values = torch.randn(1, 4 * 8), torch.randn(10, 1, 8), torch.randn(10, 1, 8)
     cos = sin = torch.ones(1, 8)
-    attend = torch.ops.inferkiln.decode_attention_fp32
+    attend = torch.ops.inferkiln.decode_attention
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.inferkiln.rope_store_fp32(qkv, cos, sin, 2, 1, keys, values, torch.tensor([10]))
+        torch.ops.inferkiln.rope_store(qkv, cos, sin, 2, 1, keys, values, torch.tensor([10]))
     with pytest.raises(RuntimeError, match="out of range"):
         attend(qkv, 0, 2, keys, values, torch.tensor([[0, -1]]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="beyond its rows"):
         attend(qkv, 0, 2, keys, values, torch.tensor([[0, 1]]), torch.tensor([2]), 1.0)
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.inferkiln.rms_norm_fp32(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.inferkiln.rms_norm(torch.randn(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-6)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        torch.ops.inferkiln.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="qkv's dtype"):
+        attend(qkv.bfloat16(), 0, 2, keys, values, torch.tensor([[0, 1]]), torch.tensor([1]), 1.0)
 
 
 def test_the_kernel_is_built_once_and_whole(tmp_path, monkeypatch):
