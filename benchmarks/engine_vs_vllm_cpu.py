@@ -355,8 +355,22 @@ def main() -> None:
                     result[key] = compare(args.vllm_python, model_dir, dtype, name == "tiny", args.rounds, work)
                     result[key]["bandwidth"] = bandwidth_limit(result[key], model_dir, dtype)
                 print(table(key, result[key]), flush=True)
+                if over := bf16_over_fp32(result, name):
+                    result[f"{name}_bf16_over_fp32_c1_decode"] = over
+                    print(f"{name} bf16 over fp32, c=1 decode tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in over.items()))
                 path = write_result("engine_vs_vllm_cpu", result, args.out)
     print(path)
+
+
+def bf16_over_fp32(result: dict, name: str) -> dict[str, float]:
+    """Each engine's c=1 decode rate (1 / inter-token p50, medians over rounds) in bf16 over fp32, where
+    both ran: the dtypes run one after the other, so these ratios are not paired."""
+    runs = [result.get(f"{name}_{precision}", {}).get("bandwidth") for precision in ("fp32", "bf16")]
+    if not all(runs):
+        return {}
+    fp32, bf16 = runs
+    return {engine: round(bf16[engine]["decode_tok_s"] / fp32[engine]["decode_tok_s"], 3)
+            for engine in fp32 if isinstance(fp32[engine], dict) and engine in bf16 and "decode_tok_s" in fp32[engine]}
 
 
 if __name__ == "__main__":
