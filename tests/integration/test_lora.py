@@ -189,6 +189,17 @@ def test_the_server_lists_and_serves_adapters_by_name(served, model_name):
     assert refused.value.body["code"] == "model_not_found"
 
 
+def logged(log, line: str, within: float = 2.0) -> bool:
+    """Whether `line` is in the running server's log within `within` s: its writer thread writes a
+    burst of records up to service.logs.BATCH_S after they are logged."""
+    deadline = time.monotonic() + within
+    while line not in log.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_logged(served, tiny_model_dir, model_name,
                                                                                    tmp_path):
     """NIM_PEFT_REFRESH_INTERVAL=1: a peft adapter copied in is listed and served within 1 + 5 s and
@@ -203,9 +214,9 @@ def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_log
         shutil.copytree(path, source / name)
     assert wait_listed(proc.url, "fresh", True, 1 + 5) < 6
     assert listed(proc.url) == {model_name: None, "tiny-lora": model_name, "fresh": model_name}
-    text = log.read_text()
-    assert "LoRA adapter big-one not served: rank 32 is above NIM_MAX_LORA_RANK=16" in text
-    assert "LoRA adapter broken not served: adapter_model.safetensors is corrupt or unreadable" in text
+    for line in ("LoRA adapter big-one not served: rank 32 is above NIM_MAX_LORA_RANK=16",
+                 "LoRA adapter broken not served: adapter_model.safetensors is corrupt or unreadable"):
+        assert logged(log, line), line
 
     served_then_gone(proc.url, source, "fresh", made, tiny_model_dir, copied=True)
     assert httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny-lora", "prompt": "the",

@@ -418,9 +418,17 @@ def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(bo
             break
     assert refused, "no burst of eight got a 503 with one request allowed in flight"
     assert all(r.headers["retry-after"] == "1" and r.json()["error"]["message"] for r in refused)
-    lines = [json.loads(line) for line in container.logs().decode().splitlines() if line.strip()]
-    assert any(line["logger"].startswith("vllm.") for line in lines), "vLLM's own records"
     ids = {r.headers["x-request-id"] for r in refused}
+
+    def refused_lines() -> list[dict] | None:
+        """The log once it holds every refused request's access line (written up to
+        service.logs.BATCH_S after it is logged)."""
+        lines = [json.loads(line) for line in container.logs().decode().splitlines() if line.strip()]
+        logged = {line.get("request_id") for line in lines}
+        return lines if ids <= logged else None
+
+    lines = wait_for(refused_lines, 5, "the refused requests' access lines")
+    assert any(line["logger"].startswith("vllm.") for line in lines), "vLLM's own records"
     # the completions refused (the readiness polls before the model was ready are 503s of their own)
     assert {line["request_id"] for line in lines
             if line.get("status") == 503 and line.get("route") == "/v1/completions"} == ids
