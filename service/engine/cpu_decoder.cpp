@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 namespace inferkiln {
@@ -45,9 +44,6 @@ inline __m256 load8(const BFloat16* p) {
 // x rounded to T (bf16: to nearest even, as aten rounds); the identity for fp32
 template <typename T>
 inline T rounded(float x) { return static_cast<T>(x); }
-
-template <typename T>
-constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
 
 inline float horizontal_sum(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
