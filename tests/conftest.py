@@ -158,6 +158,16 @@ def model_name() -> str:
     return "tiny-llama"
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    """The predicate's first value that is not None, polled every `interval` s for `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()) is not None:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /v1/metrics, parsed by prometheus_client, keyed by (name, sorted labels)."""
     text = httpx.get(f"{url}/v1/metrics").text

@@ -19,7 +19,7 @@ from service.engine.base import GenerationRequest, SamplingParams
 from service.engine.lora import LoraLimits
 from service.engine.torch_engine import TorchEngine
 from service.launcher import ServerProcess
-from tests.conftest import metric, scrape
+from tests.conftest import metric, scrape, wait_for
 
 PAIRS = memorised_pairs()
 
@@ -189,17 +189,6 @@ def test_the_server_lists_and_serves_adapters_by_name(served, model_name):
     assert refused.value.body["code"] == "model_not_found"
 
 
-def logged(log, line: str, within: float = 2.0) -> bool:
-    """Whether `line` is in the running server's log within `within` s: its writer thread writes a
-    burst of records up to service.logs.BATCH_S after they are logged."""
-    deadline = time.monotonic() + within
-    while line not in log.read_text():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_logged(served, tiny_model_dir, model_name,
                                                                                    tmp_path):
     """NIM_PEFT_REFRESH_INTERVAL=1: a peft adapter copied in is listed and served within 1 + 5 s and
@@ -216,7 +205,8 @@ def test_adapters_dropped_in_are_served_within_the_interval_and_bad_ones_are_log
     assert listed(proc.url) == {model_name: None, "tiny-lora": model_name, "fresh": model_name}
     for line in ("LoRA adapter big-one not served: rank 32 is above NIM_MAX_LORA_RANK=16",
                  "LoRA adapter broken not served: adapter_model.safetensors is corrupt or unreadable"):
-        assert logged(log, line), line
+        # the log's writer thread writes a burst of records up to service.logs.BATCH_S after they are logged
+        wait_for(lambda: True if line in log.read_text() else None, 2, line, interval=0.05)
 
     served_then_gone(proc.url, source, "fresh", made, tiny_model_dir, copied=True)
     assert httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny-lora", "prompt": "the",

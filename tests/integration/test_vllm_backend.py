@@ -30,7 +30,7 @@ from factory.verify.container import POD_LIKE, start_model, start_vllms_own_serv
 from factory.verify.lm_eval_tasks import run_tasks
 from service.engine.vllm_server import SERVE_RESOLVED
 from service.image_contract import PORT
-from tests.conftest import metric, scrape
+from tests.conftest import metric, scrape, wait_for
 from tests.fuzzing import CANNOT_HOLD, fuzz
 from tests.integration.test_lora import served_then_gone
 
@@ -357,15 +357,6 @@ def processes(container) -> dict[int, str]:
     out = container.exec_run(["/bin/sh", "-c", script]).output.decode()
     rows = (line.split(" ", 1) for line in out.splitlines() if " " in line)
     return {int(pid): cmd for pid, cmd in rows if cmd.strip() and not cmd.startswith(("/bin/sh", "sleep", "tr "))}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := predicate()) is not None:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def exit_code(container) -> int | None:
