@@ -12,7 +12,10 @@ measured: fp32 on x86 CPUs with AVX2 and FMA, AMD's with or without AVX-512, oth
 Intel's AVX-512 CPUs, whose oneDNN kernels it has not been compared with, oneDNN stays. One row (a
 c=1 decode step) runs against 4 adjacent panels at once: with one stream of W a core the 40
 matmuls read 0.91 of the rate torch's sum reads their bytes as one tensor, with four 0.99-1.01 (in
-one process, alternating; see the README's issue-29 section).
+one process, alternating; see the README's issue-29 section). On CPUs with AVX-512 that one-row path
+runs with zmm registers and prefetches ahead (cpu_gemm.cpp's row_tile_avx512): on a Zen 5 EPYC
+whose memory moved between 45-50 and 75-80 GB/s, the AVX2 loop fell to 0.80-0.84 of the sum's rate
+in the fast state, this read 0.93-0.97 of it.
 
 bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-BF16's vdpbf16ps),
 chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5

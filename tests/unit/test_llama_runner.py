@@ -225,7 +225,11 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x.transpose(0, 1), packed, columns, bias),
                           (expected + bias).transpose(0, 1), atol=1e-4), "non-contiguous input, bias"
     one = x[:1, :1]  # one row: its own path, 4 panels at a time (1-9 panels here: each remainder)
-    assert torch.allclose(torch.ops.inferkiln.linear_fp32(one, packed, columns, bias), one @ weight.T + bias, atol=1e-4)
+    alone = torch.ops.inferkiln.linear_fp32(one, packed, columns, bias)
+    assert torch.allclose(alone, one @ weight.T + bias, atol=1e-4)
+    # the one-row path (AVX-512 where the CPU has it) sums each column's k in the tiles' order: the same floats
+    beside = torch.cat([one, torch.randn(1, 1, inner)], dim=1)
+    assert torch.equal(alone, torch.ops.inferkiln.linear_fp32(beside, packed, columns, bias)[:, :one.shape[1]])
 
 
 def bf16_panels_run_here() -> bool:
