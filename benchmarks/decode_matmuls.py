@@ -6,8 +6,9 @@ A decode step of the ~76M Llama shape (benchmarks.common.LLAMA_76M) is mostly it
 can go no faster than memory gives up those bytes, so the kernel's read rate bounds how close an
 engine can come to the bandwidth limit; with 8 rows (c=8) it is what one step's matmuls cost.
 Timed for each kernel, in a process of its own (one OpenMP team, its own compiler settings):
-- `avx2_panels`: the torch engine's where it suits the CPU, service.engine.cpu_gemm's AVX2 kernel on
-  weights packed in 24-column panels at load; skipped, with the reason, elsewhere;
+- `avx2_panels`: the torch engine's where it suits the CPU, service.engine.cpu_gemm's kernel on
+  weights packed in 24-column panels at load (AVX2; one row with AVX-512 where the CPU has it);
+  skipped, with the reason, elsewhere;
 - `onednn_packed`: the torch engine's on other CPUs, oneDNN's GEMM on weights packed at load
   (service.engine.llama_runner.Linear, llama_graph.linear);
 - `aten_linear`: torch's F.linear on plain weights (MKL on x86 builds of torch);

@@ -6,7 +6,8 @@
 // of one sequence) is computed against 4 adjacent panels at once instead: 4 streams of W in flight
 // per core read memory faster than one (see row_tile). On CPUs with AVX-512 the one-row path runs
 // with zmm registers and prefetches each stream ahead of its loads (row_tile_avx512), which kept the
-// read rate up where the AVX2 loop fell behind the memory (see there). Threads split the panels
+// read rate up where the AVX2 loop fell behind the memory, and the tiles of several rows take one
+// zmm and one ymm FMA a k and row where AVX2 takes three (tile_avx512). Threads split the panels
 // (torch's OpenMP team), taking them a panel (one row: 4 panels) at a time as each is done rather
 // than a fixed share: on a machine whose cores are shared (a load generator, the event loop), a
 // thread that is preempted mid-matmul would otherwise hold the whole team at the region's end.
@@ -172,12 +173,80 @@ __attribute__((noinline)) void row_unit_avx512(const float* a, const float* wp, 
   }
 }
 
+// tile with AVX-512, up to 8 rows: per k and row, one zmm FMA (16 columns) and one ymm (8) where
+// AVX2 takes three ymm. With several rows the AVX2 tiles are bound by the FMA units on a 2-core Zen 5 EPYC (the 76M
+// shape's 40 matmuls took 9.4 ms at 8 rows against 6.4 at one); Zen 5's FMA units are 512 bits
+// wide. The same floats: each column sums its k in order, one FMA each, as tile's.
+template <int R>
+inline void tile_avx512(const float* a, int64_t lda, const float* w, int64_t k0, int64_t k1, float (*acc)[kPanel],
+                        bool first, int64_t ahead) {
+  __m512 lo[R];
+  __m256 hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[r]);
+    hi[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[r] + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * kPanel;
+    if (ahead) {  // as tile's
+      _mm_prefetch(reinterpret_cast<const char*>(wk + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 16), _MM_HINT_T0);
+    }
+    const __m512 w0 = _mm512_loadu_ps(wk);
+    const __m256 w1 = _mm256_loadu_ps(wk + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      lo[r] = _mm512_fmadd_ps(x, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(x), w1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc[r], lo[r]);
+    _mm256_storeu_ps(acc[r] + 16, hi[r]);
+  }
+}
+
+// group_tile with AVX-512, up to 8 rows (not inlined into its AVX2 caller, as row_unit_avx512).
+__attribute__((noinline)) void group_tile_avx512(int64_t rows, const float* a, int64_t lda, const float* w,
+                                                 int64_t k0, int64_t k1, float (*acc)[kPanel], bool first,
+                                                 int64_t ahead) {
+  switch (rows) {
+    case 8: tile_avx512<8>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 7: tile_avx512<7>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 6: tile_avx512<6>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 5: tile_avx512<5>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 4: tile_avx512<4>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 3: tile_avx512<3>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 2: tile_avx512<2>(a, lda, w, k0, k1, acc, first, ahead); break;
+    default: tile_avx512<1>(a, lda, w, k0, k1, acc, first, ahead); break;
+  }
+}
+
 #pragma GCC pop_options
+
+// A group of up to 4 rows against a panel over k0..k1 with AVX2 (tile): the rows from `rows`.
+void group_tile(int64_t rows, const float* a, int64_t lda, const float* w, int64_t k0, int64_t k1,
+                float (*acc)[kPanel], bool first, int64_t ahead) {
+  switch (rows) {
+    case 4: tile<4>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 3: tile<3>(a, lda, w, k0, k1, acc, first, ahead); break;
+    case 2: tile<2>(a, lda, w, k0, k1, acc, first, ahead); break;
+    default: tile<1>(a, lda, w, k0, k1, acc, first, ahead); break;
+  }
+}
+
+// Whether this CPU runs the AVX-512 paths.
+bool has_avx512() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return avx512;
+}
 
 // y = x W.T for one row: threads take kStreams panels at a time, as each is done.
 void one_row(const float* a, const float* w, int64_t K, int64_t panels, float* c, int64_t n) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-  const auto unit = avx512 ? row_unit_avx512 : row_unit;
+  const auto unit = has_avx512() ? row_unit_avx512 : row_unit;
   const int64_t units = (panels + kStreams - 1) / kStreams;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -188,41 +257,37 @@ void one_row(const float* a, const float* w, int64_t K, int64_t panels, float* c
   });
 }
 
-constexpr int64_t kGroups = 16;  // row groups of 4 a panel takes at once (64 rows)
+constexpr int64_t kGroups = 16;  // row groups a panel takes at once
 
 // y = x W.T for M rows: threads take a panel at a time, as each is done; a panel takes up to
-// kGroups groups of 4 rows at once.
+// kGroups groups of rows at once, 4 rows a group with AVX2 and 8 with AVX-512 (its 32 registers hold
+// 8 rows' sums), so that up to 8 rows read W once, as one stream, prefetched ahead as one row's are.
 void row_groups(const float* a, const float* w, int64_t K, int64_t M, int64_t panels, float* c, int64_t n) {
-  // With 5-16 rows (two to four groups) a panel is read from memory by the first group and from
-  // cache by the rest, which leaves memory idle while they compute: in blocks of 32 k, the last
-  // group prefetches the next block, so reading and computing overlap (8 and 16 rows of the 76M
-  // shape's matmuls 1.1-1.3x faster; one group, or many, ran as fast or faster unblocked).
-  const int64_t block = (M > 4 && M <= 16) ? 32 : K;
-  const int64_t ahead = block < K ? block * kPanel : 0;
+  const bool wide = has_avx512();
+  const auto group = wide ? group_tile_avx512 : group_tile;
+  const int64_t height = wide ? 8 : 4;
+  // With two to four groups a panel is read from memory by the first group and from cache by the
+  // rest, which leaves memory idle while they compute: in blocks of 32 k, the last group prefetches
+  // the next block, so reading and computing overlap (8 and 16 rows of the 76M shape's matmuls
+  // 1.1-1.3x faster with AVX2; one group, or many, ran as fast or faster unblocked).
+  const int64_t block = (M > height && M <= 4 * height) ? 32 : K;
+  const int64_t ahead = block < K ? block * kPanel : wide ? kAhead / int64_t(sizeof(float)) : 0;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    alignas(32) float acc[kGroups][4][kPanel];
+    alignas(64) float acc[kGroups * 8][kPanel];
     for (int64_t p = next++; p < panels; p = next++) {
       const float* wp = w + p * K * kPanel;
       const int64_t cols = std::min(kPanel, n - p * kPanel);
-      for (int64_t m0 = 0; m0 < M; m0 += 4 * kGroups) {
-        const int64_t rows = std::min(M - m0, 4 * kGroups), groups = (rows + 3) / 4;
+      for (int64_t m0 = 0; m0 < M; m0 += height * kGroups) {
+        const int64_t rows = std::min(M - m0, height * kGroups), groups = (rows + height - 1) / height;
         for (int64_t k0 = 0; k0 < K; k0 += block) {
           const int64_t k1 = std::min(K, k0 + block);
           for (int64_t g = 0; g < groups; ++g) {
-            const float* ar = a + (m0 + 4 * g) * K;
-            const int64_t prefetch = g == groups - 1 ? ahead : 0;
-            switch (std::min<int64_t>(4, rows - 4 * g)) {
-              case 4: tile<4>(ar, K, wp, k0, k1, acc[g], k0 == 0, prefetch); break;
-              case 3: tile<3>(ar, K, wp, k0, k1, acc[g], k0 == 0, prefetch); break;
-              case 2: tile<2>(ar, K, wp, k0, k1, acc[g], k0 == 0, prefetch); break;
-              default: tile<1>(ar, K, wp, k0, k1, acc[g], k0 == 0, prefetch); break;
-            }
+            group(std::min(height, rows - height * g), a + (m0 + height * g) * K, K, wp, k0, k1, acc + height * g,
+                  k0 == 0, g == groups - 1 ? ahead : 0);
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(c + (m0 + r) * n + p * kPanel, acc[r / 4][r % 4], cols * sizeof(float));
-        }
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(c + (m0 + r) * n + p * kPanel, acc[r], cols * sizeof(float));
       }
     }
   });
