@@ -97,6 +97,13 @@ def suits(device: torch.device, dtype: torch.dtype) -> bool:
             and ("avx512f" not in profiles.cpu_flags() or profiles.cpu_vendor() == "AuthenticAMD"))
 
 
+def fp32_isa() -> str:
+    """The instruction set linear_fp32 runs with here: AVX-512 where the CPU has AVX-512F and VL,
+    unless INFERKILN_GEMM_AVX2=1 keeps AVX2 (cpu_gemm.cpp's has_avx512, read once a process)."""
+    wide = {"avx512f", "avx512vl"} <= profiles.cpu_flags() and os.environ.get("INFERKILN_GEMM_AVX2") != "1"
+    return "AVX-512" if wide else "AVX2"
+
+
 def suits_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the bf16 panels (cpu_gemm_bf16.cpp) run here and were measured faster than oneDNN on
     such a CPU: AMD's with AVX512-BF16 (see the README's "AVX-512 EPYCs"). Intel's with AMX keep

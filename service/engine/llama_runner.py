@@ -21,7 +21,6 @@ import logging
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from service import profiles
 from service.engine.compiled_decode import CompiledDecode, check_can_compile
 from service.engine import cpu_gemm, huge_pages
 from service.engine.llama_graph import ACTIVATIONS, ONEDNN, PANELS, PANELS_BF16, PLAIN, LlamaGraph
@@ -134,8 +133,7 @@ class LlamaRunner:
     def matmul_kernels(self) -> str:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
         them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log."""
-        fp32 = "AVX-512" if {"avx512f", "avx512vl"} <= profiles.cpu_flags() else "AVX2"  # cpu_gemm.cpp's has_avx512
-        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: f"cpu_gemm's fp32 panels ({fp32})",
+        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: f"cpu_gemm's fp32 panels ({cpu_gemm.fp32_isa()})",
                  PANELS_BF16: "cpu_gemm's AVX512-BF16 panels"}
         linears = [linear for layer in self.linears for linear in layer.values()]
         kernels = ", ".join(sorted({names[linear.layout] for linear in linears}))

@@ -1,5 +1,9 @@
 """The batched runner computes what transformers computes, chunk by chunk, over paged blocks."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,6 +235,27 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     beside = torch.cat([one, torch.randn(1, 1, inner)], dim=1)
     assert torch.equal(alone, torch.ops.inferkiln.linear_fp32(beside, packed, columns, bias)[:, :one.shape[1]])
 
+
+
+def test_the_avx512_and_avx2_paths_compute_the_same_floats(tmp_path):
+    """On an AVX-512 CPU the kernel takes its AVX-512 paths; INFERKILN_GEMM_AVX2=1 keeps the AVX2 ones,
+    which a CPU without AVX-512 takes: every row count's regime (one row; one group; groups in blocks
+    of k, up to 16 rows with AVX2 and 32 with AVX-512; more) gives the same floats in both."""
+    if not panels_run_here() or cpu_gemm.fp32_isa() != "AVX-512":
+        pytest.skip("the AVX-512 paths run only on x86 CPUs with AVX-512F and VL")
+    torch.manual_seed(5)
+    rows = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70)
+    weight, bias, x = torch.randn(100, 200), torch.randn(100), torch.randn(70, 200)
+    torch.save({"x": x, "packed": cpu_gemm.pack(weight), "bias": bias}, tmp_path / "in.pt")
+    script = ("import sys, torch\nfrom service.engine import cpu_gemm\nassert cpu_gemm.load()\n"
+              "d = torch.load(sys.argv[1])\n"
+              f"torch.save([torch.ops.inferkiln.linear_fp32(d['x'][:m], d['packed'], 100, d['bias']) for m in {rows}], "
+              "sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "avx2.pt")], check=True,
+                   env={**os.environ, "INFERKILN_GEMM_AVX2": "1"}, timeout=300)
+    packed = cpu_gemm.pack(weight)
+    for m, avx2 in zip(rows, torch.load(tmp_path / "avx2.pt")):
+        assert torch.equal(torch.ops.inferkiln.linear_fp32(x[:m], packed, 100, bias), avx2), f"{m} rows"
 
 def bf16_panels_run_here() -> bool:
     return "avx512_bf16" in profiles.cpu_flags() and cpu_gemm.load()
