@@ -42,6 +42,7 @@ PACK_MIN_ELEMENTS = 2**19
 # before running it, while almost every decode step brings a new key length. On an H100 the tiny
 # model's bf16 generate() at batch 16 took 57-82 ms a step while its shapes were new and 2.7-4.5 ms
 # once seen (README). Flash and memory-efficient attention run any shape without building anything.
+SPLIT_WIDTH = 8  # the widest chunk the fused graph takes as rows of one token (LlamaRunner._pieces)
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -167,28 +168,43 @@ class LlamaRunner:
                 log.warning("compiled decode failed; decode steps run on the TorchScript graph from now on",
                             exc_info=True)
         flags = every_position if isinstance(every_position, list) else [every_position] * len(chunks)
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]))  # equal widths side by side
-        ids, positions, first = [], [], {}
-        for i in order:
-            tokens, _, start = chunks[i]
-            first[i] = len(ids)
+        pieces = self._pieces(chunks)
+        order = sorted(range(len(pieces)), key=lambda p: len(pieces[p][1]))  # equal widths side by side
+        ids, positions, rows = [], [], [[] for _ in chunks]  # rows: each chunk's tokens' rows in ids
+        for p in order:
+            i, tokens, _, start = pieces[p]
+            rows[i] += range(len(ids), len(ids) + len(tokens))
             ids += tokens
             positions += range(start, start + len(tokens))
-        groups = [(len(list(run)), width) for width, run in itertools.groupby(len(chunks[i][0]) for i in order)]
+        groups = [(len(list(run)), width) for width, run in itertools.groupby(len(pieces[p][1]) for p in order)]
         blocks = max(len(table) for _, table, _ in chunks)
-        tables = [chunks[i][1] + [0] * (blocks - len(chunks[i][1])) for i in order]
-        starts = [chunks[i][2] for i in order]
-        outputs = [row for i, (tokens, _, _) in enumerate(chunks)
-                   for row in (range(first[i], first[i] + len(tokens)) if flags[i] else (first[i] + len(tokens) - 1,))]
+        tables = [pieces[p][2] + [0] * (blocks - len(pieces[p][2])) for p in order]
+        starts = [pieces[p][3] for p in order]
+        outputs = [row for i in range(len(chunks)) for row in (rows[i] if flags[i] else rows[i][-1:])]
         length = max(start + len(tokens) for tokens, _, start in chunks)
         rope = None if self.rope_table else self._rope_for(length)
         if adapter_slots is not None and any(adapter_slots):
-            adapter_slots = [adapter_slots[i] for i in order for _ in chunks[i][0]]  # each token's
+            adapter_slots = [adapter_slots[pieces[p][0]] for p in order for _ in pieces[p][1]]  # each token's
         else:
             adapter_slots = None  # the base model alone skips the LoRA matmuls
         attention = sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" else contextlib.nullcontext()
         with attention, torch.jit.optimized_execution(False):
             return self.graph(ids, positions, groups, starts, tables, outputs, rope, adapter_slots)
+
+    def _pieces(self, chunks: list[tuple[list[int], list[int], int]]) -> list[tuple[int, list[int], list[int], int]]:
+        """The chunks as the graph takes them, (chunk, tokens, block_table, start): where its layer ops
+        are fused, a chunk of 2 to SPLIT_WIDTH tokens (an n-gram draft's verify, a short prompt) goes
+        in as that many chunks of one token, each at its own position over the same block table.
+        Beside the step's decodes they are one group of width 1, which the fused decode attention
+        takes (each row attends up to its own position: causal, after every row's key and value are
+        written), and a step of decodes and drafts alone is then one decode_layers call; each token's
+        logits are the floats a decode step at its position gives. Wider chunks keep SDPA, which
+        reads the keys once for all their rows."""
+        if not self.graph.fused:
+            return [(i, tokens, table, start) for i, (tokens, table, start) in enumerate(chunks)]
+        return [piece for i, (tokens, table, start) in enumerate(chunks)
+                for piece in ([(i, [token], table, start + j) for j, token in enumerate(tokens)]
+                              if 1 < len(tokens) <= SPLIT_WIDTH else [(i, tokens, table, start)])]
 
     def _rope_for(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..length-1, from the model's rotary module."""

@@ -175,6 +175,7 @@ def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logit
     packed.rezero()  # the mixed step writes the decode's key and value again
     with torch.inference_mode():
         packed.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
+    monkeypatch.setattr(llama_runner, "SPLIT_WIDTH", 0)  # the prompt chunk beside it stays a chunk: the per-op graph
     mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
     assert "inferkiln::decode_layers" in alone_ops and "inferkiln::decode_layers" not in mixed_ops
     assert torch.allclose(alone[0], mixed[0], atol=1e-5, rtol=0)
@@ -487,6 +488,7 @@ def test_a_bf16_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_per_o
         return logits, {event.name for event in profile.events()}
 
     alone, alone_ops = ran([decode])
+    monkeypatch.setattr(llama_runner, "SPLIT_WIDTH", 0)  # the prompt chunk beside it stays a chunk: the per-op graph
     mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
     assert "inferkiln::decode_layers" in alone_ops and "inferkiln::decode_layers" not in mixed_ops
     assert torch.allclose(alone[0], mixed[0], atol=0.05, rtol=0), (alone[0] - mixed[0]).abs().max()
@@ -495,6 +497,36 @@ def test_a_bf16_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_per_o
         expected = fp32.forward([decode])
     assert torch.equal(alone.argmax(-1), expected.argmax(-1))
 
+
+
+def test_a_narrow_chunk_runs_as_fused_decode_rows_with_a_decode_steps_floats(monkeypatch, panels_chosen):
+    """Where the layer ops are fused, a chunk of a few tokens (an n-gram draft's verify) runs as rows of
+    the decode step, in one decode_layers call: each token's logits are, bit for bit, those a decode
+    step at its position gives, alone or beside another sequence's decode (the matmuls in panels sum
+    each column in the same order at any row count; a head left to F.linear, a tied one, does not),
+    and near the SDPA path's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(llama_runner, "PACK_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    runner = LlamaRunner(LlamaForCausalLM(config).eval(), 64, 4, 512, pack_weights=True)
+    assert runner.graph.fused and runner.head.layout == PANELS
+    prompt, draft = [5, 9, 200, 17, 3, 44, 81, 6, 120, 7], [11, 250, 19, 42]
+    first, second = list(range(16)), list(range(16, 32))
+    with torch.inference_mode(), torch.profiler.profile() as profile:
+        runner.forward([(prompt, first, 0), (prompt, second, 0)])
+        verified = runner.forward([(draft, first, len(prompt)), (draft[:1], second, len(prompt))],
+                                  every_position=[True, False])
+    with torch.inference_mode():
+        steps = torch.cat([runner.forward([([token], first, len(prompt) + j)]) for j, token in enumerate(draft)])
+        alone = runner.forward([(draft[:1], second, len(prompt))])
+        monkeypatch.setattr(llama_runner, "SPLIT_WIDTH", 0)  # the chunk through SDPA
+        through_sdpa = runner.forward([(draft, first, len(prompt))], every_position=True)
+    assert "inferkiln::decode_layers" in {event.name for event in profile.events()}
+    assert torch.equal(verified[:4], steps) and torch.equal(verified[4:], alone)
+    assert torch.allclose(through_sdpa, steps, atol=ATOL) and torch.equal(through_sdpa.argmax(-1), steps.argmax(-1))
 
 def test_fused_kernels_refuse_rows_outside_the_cache():
     if not panels_run_here():
