@@ -66,17 +66,21 @@ class NgramConfig(BaseModel):
 
 
 class NgramIndex:
-    """Where each n-gram of one sequence last occurred with a token after it, kept up to date as
-    tokens join: a proposal costs a few dictionary lookups a step, not a scan of the sequence."""
+    """Where each n-gram of one sequence first occurred with a token after it, kept up to date as
+    tokens join: a proposal costs a few dictionary lookups a step, not a scan of the sequence.
+    The first occurrence, as vLLM's proposer takes it (of the longest match, the earliest
+    position): in a loop of p tokens the latest earlier occurrence lies p tokens back and has only
+    p tokens after it, the first has the whole count."""
 
     def __init__(self, config: NgramConfig) -> None:
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
-        self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its first occurrence is
         self.indexed = 0  # the n-grams before tokens[1:indexed] are recorded
 
     def propose(self, tokens: list[int], count: int) -> list[int]:
-        """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` (n from prompt_lookup_max down to prompt_lookup_min); [] where none recurs."""
+        """Up to `count` tokens that followed the first occurrence of the longest suffix of `tokens`
+        that occurred before (n from prompt_lookup_max down to prompt_lookup_min); [] where none
+        recurs."""
         self._index(tokens)
         for n in range(min(self.high, len(tokens)), self.low - 1, -1):
             at = self.follower.get(tuple(tokens[-n:]))
@@ -88,5 +92,5 @@ class NgramIndex:
         """Record the n-grams that end before each token up to the last, which has none after it yet."""
         for follow in range(max(self.indexed, 1), len(tokens)):
             for n in range(self.low, min(self.high, follow) + 1):
-                self.follower[tuple(tokens[follow - n:follow])] = follow
+                self.follower.setdefault(tuple(tokens[follow - n:follow]), follow)
         self.indexed = len(tokens)  # a sequence's tokens only grow

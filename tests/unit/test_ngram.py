@@ -25,22 +25,24 @@ def test_the_window_follows_vllm():
         NgramConfig(method="ngram", num_speculative_tokens=2, draft_model="x")
 
 
-def latest_match(tokens: list[int], low: int, high: int, count: int) -> list[int]:
-    """The proposal by brute force: a scan for the longest suffix's latest earlier occurrence."""
+def earliest_match(tokens: list[int], low: int, high: int, count: int) -> list[int]:
+    """The proposal by brute force: a scan for the longest recurring suffix's first occurrence."""
     for n in range(high, low - 1, -1):
-        for start in range(len(tokens) - n - 1, -1, -1):
+        for start in range(len(tokens) - n):
             if n <= len(tokens) - 1 and tokens[start:start + n] == tokens[-n:]:
                 return tokens[start + n:start + n + count]
     return []
 
 
-def test_the_longest_recurring_suffix_proposes_what_followed_it_last():
+def test_the_longest_recurring_suffix_proposes_what_followed_it_first_as_vllm_does():
     #          0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3]
     # the 3-gram (1, 2, 3) occurred at 0 only: 9, 9, 2 followed it
     assert NgramIndex(config()).propose(tokens, 3) == [9, 9, 2]
-    # with 2-grams only, (2, 3) last occurred at 5: 7, 7, 1 followed
-    assert NgramIndex(config(high=2)).propose(tokens, 3) == [7, 7, 1]
+    # with 2-grams only, (2, 3) occurred at 1 and 5: what followed the first (9, 9, 2), not the latest (7, 7, 1)
+    assert NgramIndex(config(high=2)).propose(tokens, 3) == [9, 9, 2]
+    # in a loop the first occurrence has the whole count after it; the latest, one period back, two
+    assert NgramIndex(config(k=4, high=2)).propose([4, 7, 4, 7, 4, 7], 4) == [4, 7, 4, 7]
 
 
 def test_a_proposal_stops_at_the_history_and_the_count():
@@ -61,7 +63,7 @@ def test_the_index_kept_as_tokens_join_proposes_what_a_scan_finds():
         index, tokens = NgramIndex(config(low=low, high=high)), [rng.randrange(6) for _ in range(5)]
         for _ in range(300):
             tokens += [rng.randrange(6) for _ in range(rng.choice((1, 1, 2, 4)))]
-            assert index.propose(tokens, 4) == latest_match(tokens, low, high, 4), (low, high, tokens)
+            assert index.propose(tokens, 4) == earliest_match(tokens, low, high, 4), (low, high, tokens)
 
 
 def test_the_batch_size_schedule_follows_vllm():
