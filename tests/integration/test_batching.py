@@ -100,7 +100,7 @@ async def test_seeded_sampling_is_reproducible_in_mixed_batches(engine):
 
 
 async def test_short_request_joins_and_leaves_while_a_long_one_runs(engine):
-    long = request(engine, "A", temperature=0, max_tokens=400, ignore_eos=True)
+    long = request(engine, "A", temperature=0, max_tokens=480, ignore_eos=True)
     long_alone = await collect(engine, long)
     progress: list[int] = []
 
@@ -116,7 +116,7 @@ async def test_short_request_joins_and_leaves_while_a_long_one_runs(engine):
         await asyncio.sleep(0.001)
     short = request(engine, PAIRS[3][0], temperature=0, max_tokens=30)
     short_tokens = await collect(engine, short)
-    assert progress[-1] < 400, "the short request finished while the long one was still decoding"
+    assert progress[-1] < 480, "the short request finished while the long one was still decoding"
     assert engine.stats().running == 1
     assert short_tokens == await collect(engine, short)
     assert await task == long_alone
@@ -147,7 +147,7 @@ async def test_requests_wait_for_slots(tiny_model_dir):
     engine = TorchEngine(tiny_model_dir, max_num_seqs=2)
     await engine.start()
     try:
-        reqs = [request(engine, "C", temperature=0, max_tokens=300, ignore_eos=True) for _ in range(4)]
+        reqs = [request(engine, "C", temperature=0, max_tokens=480, ignore_eos=True) for _ in range(4)]
         running = [engine.generate(r) for r in reqs[:2]]
         await asyncio.gather(*(anext(s) for s in running))  # both admitted: every slot is taken
         waiting = [engine.generate(r) for r in reqs[2:4]]
