@@ -26,7 +26,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 namespace {
 
@@ -243,8 +242,11 @@ void group_tile(int64_t rows, const float* a, int64_t lda, const float* w, int64
 // Whether this CPU runs the AVX-512 paths: where it has AVX-512F and VL, unless INFERKILN_GEMM_AVX2=1
 // keeps the AVX2 ones (so that the tests compare the two on such a CPU; cpu_gemm.fp32_isa).
 bool has_avx512() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                             std::string(std::getenv("INFERKILN_GEMM_AVX2") ? std::getenv("INFERKILN_GEMM_AVX2") : "") != "1";
+  static const bool avx512 = [] {
+    const char* keep_avx2 = std::getenv("INFERKILN_GEMM_AVX2");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           !(keep_avx2 && std::strcmp(keep_avx2, "1") == 0);
+  }();
   return avx512;
 }
 

@@ -237,7 +237,6 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.equal(alone, torch.ops.inferkiln.linear_fp32(beside, packed, columns, bias)[:, :one.shape[1]])
 
 
-
 def test_the_avx512_and_avx2_paths_compute_the_same_floats(tmp_path):
     """On an AVX-512 CPU the kernel takes its AVX-512 paths; INFERKILN_GEMM_AVX2=1 keeps the AVX2 ones,
     which a CPU without AVX-512 takes: every row count's regime (one row; one group; groups in blocks
@@ -257,6 +256,7 @@ def test_the_avx512_and_avx2_paths_compute_the_same_floats(tmp_path):
     packed = cpu_gemm.pack(weight)
     for m, avx2 in zip(rows, torch.load(tmp_path / "avx2.pt")):
         assert torch.equal(torch.ops.inferkiln.linear_fp32(x[:m], packed, 100, bias), avx2), f"{m} rows"
+
 
 def bf16_panels_run_here() -> bool:
     return "avx512_bf16" in profiles.cpu_flags() and cpu_gemm.load()
@@ -498,7 +498,6 @@ def test_a_bf16_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_per_o
     assert torch.equal(alone.argmax(-1), expected.argmax(-1))
 
 
-
 def test_a_narrow_chunk_runs_as_fused_decode_rows_with_a_decode_steps_floats(monkeypatch, panels_chosen):
     """Where the layer ops are fused, a chunk of a few tokens (an n-gram draft's verify) runs as rows of
     the decode step, in one decode_layers call: each token's logits are, bit for bit, those a decode
@@ -527,6 +526,7 @@ def test_a_narrow_chunk_runs_as_fused_decode_rows_with_a_decode_steps_floats(mon
     assert "inferkiln::decode_layers" in {event.name for event in profile.events()}
     assert torch.equal(verified[:4], steps) and torch.equal(verified[4:], alone)
     assert torch.allclose(through_sdpa, steps, atol=ATOL) and torch.equal(through_sdpa.argmax(-1), steps.argmax(-1))
+
 
 def test_fused_kernels_refuse_rows_outside_the_cache():
     if not panels_run_here():
