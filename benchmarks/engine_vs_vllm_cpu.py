@@ -14,9 +14,10 @@ server token counts:
 - a shared-prefix workload (one 480-token prefix prompt before each 8-token prompt) at
   concurrency 4, with the torch engine's prefix caching on and off, and vLLM's on;
 - the machine's read bandwidth (the best of torch's sum and a reader of several streams a core,
-  benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before each c=1
-  run, and the bytes a c=1 decode step reads (every weight but the embedding table, one row of
-  which is gathered, and the KV cache at the run's mean context): their quotient
+  benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before and just
+  after each c=1 run (their mean is the run's), and the bytes a c=1 decode step reads (every weight
+  but the embedding table, one row of which is gathered, and the KV cache at the run's mean
+  context): their quotient
   bounds decode tokens/s, and each engine's c=1 decode rate (1 / inter-token latency) is reported
   as a fraction of its run's bound (and once, on 4 KB pages, what the pages are worth);
 - the torch engine with its compiled decode step too (`torch_compiled`: a profile with
@@ -130,19 +131,32 @@ def decode_step_bytes(model_dir: Path, element_size: int, context: int) -> int:
 
 def bandwidth_limit(result: dict, model_dir: Path, dtype: str) -> dict:
     """Each engine's c=1 decode rate as a fraction of what the memory allows, run by run against the
-    read bandwidth measured just before that run (on this VM it moved between 24 and 39 GB/s within
-    minutes); medians over rounds."""
+    mean of the read bandwidth measured just before and just after that run (this VM's memory moves
+    between states of about 30, 45-50 and 75-80 GB/s within minutes; a reading on one side alone
+    can land in another state than the run); medians over rounds. `state_changed`: the runs whose
+    two readings differ by over STATE_CHANGE, where the run's own state is least certain."""
     element = 4 if dtype == "float32" else 2
     step = decode_step_bytes(model_dir, element, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
     runs = result["rounds"]["levels"]
-    bandwidths = [run["read_bandwidth"] for by_level in runs.values() for run in by_level[1]]
+    c1 = [run for by_level in runs.values() for run in by_level[1]]
+    bandwidths = [run["read_bandwidth"] for run in c1]
     out = {"read_bandwidth_gb_s": spread([b / 1e9 for b in bandwidths]), "decode_step_mb": round(step / 1e6, 1),
-           "limit_tok_s": round(statistics.median(bandwidths) / step, 1)}
+           "limit_tok_s": round(statistics.median(bandwidths) / step, 1),
+           "state_changed": sum(changed(run) for run in c1), "c1_runs": len(c1)}
     for name, by_level in runs.items():
         out[name] = {"decode_tok_s": round(1000 / result["levels"][name][1]["itl_p50_ms"], 1),
                      "fraction_of_limit": spread([1000 / run["itl_p50_ms"] / (run["read_bandwidth"] / step)
                                                   for run in by_level[1]])}
     return out
+
+
+STATE_CHANGE = 0.15  # readings on the two sides of a run this far apart: the memory's state changed
+
+
+def changed(run: dict) -> bool:
+    """Whether the readings before and after a c=1 run differ by over STATE_CHANGE."""
+    low, high = sorted((run["read_bandwidth_before"], run["read_bandwidth_after"]))
+    return high > low * (1 + STATE_CHANGE)
 
 
 def rotated(names: list[str], turn: int) -> list[str]:
@@ -198,10 +212,14 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
 
     def measured(name: str, level: int, **load) -> dict:
         waits.append(settle())
-        bandwidth = {"read_bandwidth": read_bandwidth(tries=3)} if level == 1 else {}  # the run's own limit
-        return bandwidth | aiperf(urls[name], NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
-                                  work / f"run{next(runs)}",
-                                  **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
+        before = read_bandwidth(tries=3) if level == 1 else None  # the run's own limit, read on both sides
+        run = aiperf(urls[name], NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
+                     work / f"run{next(runs)}", **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
+        if before is None:
+            return run
+        after = read_bandwidth(tries=3)
+        return run | {"read_bandwidth_before": before, "read_bandwidth_after": after,
+                      "read_bandwidth": (before + after) / 2}
 
     with contextlib.ExitStack() as stack:
         urls, ready = servers(stack, vllm_python, model_dir, dtype, tiny, work)
@@ -297,8 +315,9 @@ def table(name: str, run: dict) -> str:
                  f"ms, no prefix cache {shared['torch_no_prefix_cache']['ttft_p50_ms']:.1f} ms, vllm "
                  f"{shared['vllm']['ttft_p50_ms']:.1f} ms; torch/vllm "
                  f"{ratio(ratios['shared_prefix_ttft_p50_torch_over_vllm'])}")
-    lines.append(f"read bandwidth {limit['read_bandwidth_gb_s']['median']:.1f} GB/s (measured before each c=1 run, "
-                 f"{limit['read_bandwidth_gb_s']['q1']:.1f}-{limit['read_bandwidth_gb_s']['q3']:.1f}), "
+    lines.append(f"read bandwidth {limit['read_bandwidth_gb_s']['median']:.1f} GB/s (the mean of readings before and "
+                 f"after each c=1 run, {limit['read_bandwidth_gb_s']['q1']:.1f}-{limit['read_bandwidth_gb_s']['q3']:.1f}; "
+                 f"the state changed across {limit['state_changed']} of {limit['c1_runs']} runs), "
                  f"{limit['decode_step_mb']} MB a c=1 decode step: limit {limit['limit_tok_s']} tok/s; share of "
                  "each run's limit: " + ", ".join(
                      f"{config} {limit[config]['decode_tok_s']} tok/s ({ratio(limit[config]['fraction_of_limit'])})"

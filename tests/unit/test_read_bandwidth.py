@@ -23,3 +23,13 @@ def test_the_bandwidth_is_the_best_reader_or_torchs_sum_alone_without_a_compiler
     with pytest.warns(UserWarning, match="no C compiler"):
         assert engine_vs_vllm_cpu.stream_reads(1, 1, True) == {}
     assert 1e8 < engine_vs_vllm_cpu.read_bandwidth(1, 1) < 1e13
+
+
+def test_a_run_whose_readings_differ_by_over_15_percent_changed_state():
+    def run(before: float, after: float) -> dict:
+        return {"read_bandwidth_before": before, "read_bandwidth_after": after}
+
+    assert not engine_vs_vllm_cpu.changed(run(50e9, 50e9))
+    assert not engine_vs_vllm_cpu.changed(run(50e9, 57e9))
+    assert engine_vs_vllm_cpu.changed(run(50e9, 80e9))
+    assert engine_vs_vllm_cpu.changed(run(80e9, 50e9))
