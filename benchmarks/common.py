@@ -7,12 +7,14 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -207,11 +209,59 @@ def vllm_cpu_preload(python: str) -> str:
     return preload
 
 
+class HostServer(NamedTuple):
+    url: str
+    ready_s: float  # seconds from start to ready
+    pid: int
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it (from /proc's children lists; gone ones are skipped)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in task.read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not stopped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X")
+    except OSError:
+        return False
+
+
 @contextmanager
-def vllm_on_host(python: str, model: Path, served_name: str, log: Path, extra: list[str] = ()) -> Iterator[tuple[str, float]]:
+def paused(pids: list[int]) -> Iterator[None]:
+    """The process trees of `pids` stopped (SIGSTOP) while the block runs, then continued: an idle
+    server's threads still wake (an idle vLLM CPU server's do about 100 times a second each), and on
+    a machine of a few cores each wake takes a core from the server being measured."""
+    stopped = [p for pid in pids for p in process_tree(pid)]
+    for p in stopped:
+        with suppress(ProcessLookupError):
+            os.kill(p, signal.SIGSTOP)
+    deadline = time.monotonic() + 5  # a signal lands when its process is next scheduled
+    while time.monotonic() < deadline and any(running(p) for p in stopped):
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        for p in stopped:
+            with suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
+
+@contextmanager
+def vllm_on_host(python: str, model: Path, served_name: str, log: Path, extra: list[str] = ()) -> Iterator[HostServer]:
     """vLLM's own OpenAI server as its documentation starts it (default configuration: torch.compile
     on, TCMalloc and Intel OpenMP preloaded), from a Python environment with vLLM's CPU build on this
-    host; yields its URL and the seconds it took to be ready, and stops it afterwards."""
+    host; yields its URL, the seconds it took to be ready and its pid, and stops it afterwards."""
     from service.launcher import free_port, wait_until_ready
 
     port = free_port()
@@ -226,7 +276,7 @@ def vllm_on_host(python: str, model: Path, served_name: str, log: Path, extra: l
             url, began = f"http://127.0.0.1:{port}", time.perf_counter()
             if reason := wait_until_ready(url, lambda: None if process.poll() is None else "vLLM exited", 900, "/health"):
                 raise RuntimeError(f"{reason}: {log.read_text()[-2000:]}")
-            yield url, time.perf_counter() - began
+            yield HostServer(url, time.perf_counter() - began, process.pid)
         finally:
             process.terminate()
             process.wait(60)

@@ -31,9 +31,11 @@ server token counts:
   cores as the server it measures);
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
 
-All configurations run at once, each idle while another is measured, for `--rounds` rounds; in each
-round every level measures them back to back, in an order that rotates, each once the machine is
-quiet (vLLM's OpenMP threads spin after its last request). Values are medians over rounds; ratios
+All configurations run at once, each paused (SIGSTOP, its whole process tree) while another is
+measured (an idle server's threads still wake: beside an idle vLLM server a torch c=1 run took
+8.4-9.4 ms a token, alone 5.9-7.5), for `--rounds` rounds; in each round every level measures them
+back to back, in an order that rotates, each once the machine is quiet (vLLM's OpenMP threads spin
+after its last request). Values are medians over rounds; ratios
 the median and quartiles of the per-round paired ratios.
 
     python -m benchmarks.engine_vs_vllm_cpu --vllm-python VENV/bin/python [--models llama-76m,tiny]
@@ -57,8 +59,8 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.common import (AIPERF, ROOT, aiperf, make_76m_llama, settle, spread, vllm_cpu_preload, vllm_on_host,
-                               write_result)
+from benchmarks.common import (AIPERF, ROOT, HostServer, aiperf, make_76m_llama, paused, settle, spread,
+                               vllm_cpu_preload, vllm_on_host, write_result)
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
@@ -175,8 +177,8 @@ def manifest_file(model_dir: Path, path: Path, precision: str, **engine_args) ->
 
 
 def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtype: str, tiny: bool,
-            work: Path) -> tuple[dict[str, str], dict[str, float]]:
-    """Every configuration of one model and dtype, started: their URLs and seconds to ready."""
+            work: Path) -> dict[str, HostServer]:
+    """Every configuration of one model and dtype, started: their URLs, seconds to ready and pids."""
     args = ["--model", str(model_dir), "--served-model-name", NAME, "--max-model-len", "512"]
     precision = PRECISIONS[dtype]
     manifest = [] if precision == "fp32" else ["--manifest",
@@ -192,16 +194,16 @@ def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtyp
         torch_configs["torch_compiled_spare_core"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
                                                        "NIM_CPU_THREADS": str(max(1, cpu_cores() - 1))},
                                                       ["--manifest", str(compiled)])
-    urls, ready = {}, {}
+    started = {}
     for name, (env, extra) in torch_configs.items():
         began = time.perf_counter()
         server = stack.enter_context(ServerProcess([*args, *extra], env=env, log_path=work / f"{name}.log",
                                                    timeout=900))
-        urls[name], ready[name] = server.url, time.perf_counter() - began
+        started[name] = HostServer(server.url, time.perf_counter() - began, server.proc.pid)
     for name, extra in {"vllm": [], "vllm_eager": ["--enforce-eager"]}.items():
-        urls[name], ready[name] = stack.enter_context(
+        started[name] = stack.enter_context(
             vllm_on_host(vllm_python, model_dir, NAME, work / f"{name}.log", ["--dtype", dtype, *extra]))
-    return urls, ready
+    return started
 
 
 def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: int, work: Path) -> dict:
@@ -211,9 +213,13 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
     runs, waits = itertools.count(), []
 
     def measured(name: str, level: int, **load) -> dict:
+        with paused([server.pid for other, server in started.items() if other != name]):
+            return measured_alone(name, level, **load)
+
+    def measured_alone(name: str, level: int, **load) -> dict:
         waits.append(settle())
         before = read_bandwidth(tries=3) if level == 1 else None  # the run's own limit, read on both sides
-        run = aiperf(urls[name], NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
+        run = aiperf(started[name].url, NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
                      work / f"run{next(runs)}", **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
         if before is None:
             return run
@@ -222,10 +228,10 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
                       "read_bandwidth": (before + after) / 2}
 
     with contextlib.ExitStack() as stack:
-        urls, ready = servers(stack, vllm_python, model_dir, dtype, tiny, work)
-        plain = [name for name in urls if name != "torch_no_prefix_cache"]
+        started = servers(stack, vllm_python, model_dir, dtype, tiny, work)
+        plain = [name for name in started if name != "torch_no_prefix_cache"]
         prefix_engines = ["torch", "torch_no_prefix_cache", "vllm"]
-        for name in urls:  # warm-up, unmeasured: batch shapes, compiled graphs, first-call costs
+        for name in started:  # warm-up, unmeasured: batch shapes, compiled graphs, first-call costs
             measured(name, max(LEVELS))
         levels = {name: {level: [] for level in LEVELS} for name in plain}
         shared: dict[str, list[dict]] = {name: [] for name in prefix_engines}
@@ -237,7 +243,7 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
                 shared[name].append(measured(name, PREFIX_LEVEL, requests=32, prompt_tokens=8, output_tokens=16,
                                              prefix_tokens=PREFIX_TOKENS))
     engines = [name for name in plain if name != "vllm"]
-    return {"dtype": dtype, "start_to_ready_s": {name: round(s, 1) for name, s in ready.items()},
+    return {"dtype": dtype, "start_to_ready_s": {name: round(server.ready_s, 1) for name, server in started.items()},
             "settle_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2)},
             "levels": {name: medians(runs) for name, runs in levels.items()},
             "shared_prefix_c4": {name: medians({PREFIX_LEVEL: runs})[PREFIX_LEVEL] for name, runs in shared.items()},

@@ -134,10 +134,10 @@ def on_vllm_host(python: str, source: Path, adapters: list[str], args) -> dict:
     from a Python environment with vLLM's CPU build on this host, the same adapters as --lora-modules."""
     lora = ["--enable-lora", "--max-lora-rank", str(args.rank), "--max-loras", str(ADAPTERS),
             "--max-cpu-loras", str(ADAPTERS), "--lora-modules", *(f"{name}={source / name}" for name in adapters)]
-    with vllm_on_host(python, ensure_tiny_model(), "tiny-llama", source.parent / "vllm-host.log", lora) as (url, ready_s):
-        rounds = rounds_on(url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
+    with vllm_on_host(python, ensure_tiny_model(), "tiny-llama", source.parent / "vllm-host.log", lora) as server:
+        rounds = rounds_on(server.url, "tiny-llama", adapters, args.rounds, args.requests, args.max_tokens)
     return {"configuration": "vLLM's own server, default configuration (torch.compile on), on the host",
-            "start_to_ready_s": round(ready_s, 1),
+            "start_to_ready_s": round(server.ready_s, 1),
             "mixed_over_base_tokens_per_s": spread([r["ratio"] for r in rounds]), "rounds": rounds}
 
 

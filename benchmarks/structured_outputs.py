@@ -141,8 +141,8 @@ def compiler_time(model: Path) -> dict:
 
 def on_vllm_host(python: str, model: Path, rounds: int, requests: int, log_dir: Path) -> dict:
     """vLLM's own server as its documentation starts it (default configuration), on this host."""
-    with vllm_on_host(python, model, MODEL, log_dir / "vllm-host.log") as (url, _):
-        result = measure(url, rounds, requests)
+    with vllm_on_host(python, model, MODEL, log_dir / "vllm-host.log") as server:
+        result = measure(server.url, rounds, requests)
     version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     return {"configuration": "vLLM's own server, default configuration (structured outputs backend auto: "
                              "xgrammar), on the host", "vllm": version.stdout.strip(), **result}
