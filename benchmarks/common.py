@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import resource
-import signal
 import statistics
 import subprocess
 import time
@@ -16,6 +15,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
 import torch
 
 from service.profiles import cpu_cores
@@ -215,25 +215,14 @@ class HostServer(NamedTuple):
     pid: int
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process under it (from /proc's children lists; gone ones are skipped)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                todo += [int(child) for child in task.read_text().split()]
-            except OSError:
-                continue
-    return found
+STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` exists and is not stopped."""
+def running(process: psutil.Process) -> bool:
+    """Whether `process` exists and is not stopped."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X")
-    except OSError:
+        return process.status() not in STOPPED
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -242,19 +231,23 @@ def paused(pids: list[int]) -> Iterator[None]:
     """The process trees of `pids` stopped (SIGSTOP) while the block runs, then continued: an idle
     server's threads still wake (an idle vLLM CPU server's do about 100 times a second each), and on
     a machine of a few cores each wake takes a core from the server being measured."""
-    stopped = [p for pid in pids for p in process_tree(pid)]
-    for p in stopped:
-        with suppress(ProcessLookupError):
-            os.kill(p, signal.SIGSTOP)
+    stopped: list[psutil.Process] = []
+    for pid in pids:
+        with suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            stopped += [root, *root.children(recursive=True)]
+    for process in stopped:
+        with suppress(psutil.NoSuchProcess):
+            process.suspend()
     deadline = time.monotonic() + 5  # a signal lands when its process is next scheduled
-    while time.monotonic() < deadline and any(running(p) for p in stopped):
+    while time.monotonic() < deadline and any(running(process) for process in stopped):
         time.sleep(0.01)
     try:
         yield
     finally:
-        for p in stopped:
-            with suppress(ProcessLookupError):
-                os.kill(p, signal.SIGCONT)
+        for process in stopped:
+            with suppress(psutil.NoSuchProcess):
+                process.resume()
 
 
 @contextmanager
