@@ -23,10 +23,12 @@ server token counts:
 - the torch engine with its compiled decode step too (`torch_compiled`: a profile with
   `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says
-  why it was skipped); on the tiny model, the torch engine at its default threads and at every core;
-  on the 76M shape below SPARE_CORE_FROM cores, where the default takes every core, the compiled
-  engine with one core left to the HTTP side and the client too (`torch_compiled_spare_core`; it
-  starts from the inductor cache `torch_compiled` filled, so its start-up time is a warm one);
+  why it was skipped); with both, each engine's c=1 decode rate in bf16 over fp32, its two servers
+  measured back to back in each round (`bf16_over_fp32`); on the tiny model, the torch engine at
+  its default threads and at every core; on the 76M shape below SPARE_CORE_FROM cores, where the
+  default takes every core, the compiled engine with one core left to the HTTP side and the client
+  too (`torch_compiled_spare_core`; it starts from the inductor cache `torch_compiled` filled, so
+  its start-up time is a warm one);
 - the share of the machine's cores AIPerf itself took at each level (the client runs on the same
   cores as the server it measures);
 - the KV memory the torch engine holds for 32 sequences of 64 tokens at max_model_len 512.
@@ -179,31 +181,56 @@ def manifest_file(model_dir: Path, path: Path, precision: str, **engine_args) ->
 def servers(stack: contextlib.ExitStack, vllm_python: str, model_dir: Path, dtype: str, tiny: bool,
             work: Path) -> dict[str, HostServer]:
     """Every configuration of one model and dtype, started: their URLs, seconds to ready and pids."""
-    args = ["--model", str(model_dir), "--served-model-name", NAME, "--max-model-len", "512"]
     precision = PRECISIONS[dtype]
-    manifest = [] if precision == "fp32" else ["--manifest",
-                                               str(manifest_file(model_dir, work / "manifest.json", precision))]
-    torch_configs = {"torch": ({}, manifest), "torch_no_prefix_cache": ({"NIM_ENABLE_KV_CACHE_REUSE": "0"}, manifest)}
+    plain = torch_args(model_dir, precision, work / "manifest.json")
+    torch_configs = {"torch": ({}, plain), "torch_no_prefix_cache": ({"NIM_ENABLE_KV_CACHE_REUSE": "0"}, plain)}
     if tiny:  # the tiny model's default leaves one core to HTTP; the 76M model's takes all below SPARE_CORE_FROM
-        torch_configs["torch_all_cores"] = ({"NIM_CPU_THREADS": str(cpu_cores())}, manifest)
+        torch_configs["torch_all_cores"] = ({"NIM_CPU_THREADS": str(cpu_cores())}, plain)
     # the compiled decode step (service.engine.compiled_decode), its cache cold
-    compiled = manifest_file(model_dir, work / "compiled.json", precision, compile_decode=True)
-    torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")},
-                                       ["--manifest", str(compiled)])
+    compiled = torch_args(model_dir, precision, work / "compiled.json", compile_decode=True)
+    torch_configs["torch_compiled"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}, compiled)
     if not tiny and cpu_cores() < SPARE_CORE_FROM:  # where the default takes every core: one left to the rest
         torch_configs["torch_compiled_spare_core"] = ({"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
-                                                       "NIM_CPU_THREADS": str(max(1, cpu_cores() - 1))},
-                                                      ["--manifest", str(compiled)])
-    started = {}
-    for name, (env, extra) in torch_configs.items():
-        began = time.perf_counter()
-        server = stack.enter_context(ServerProcess([*args, *extra], env=env, log_path=work / f"{name}.log",
-                                                   timeout=900))
-        started[name] = HostServer(server.url, time.perf_counter() - began, server.proc.pid)
+                                                       "NIM_CPU_THREADS": str(max(1, cpu_cores() - 1))}, compiled)
+    started = {name: torch_on_host(stack, args, env, work / f"{name}.log")
+               for name, (env, args) in torch_configs.items()}
     for name, extra in {"vllm": [], "vllm_eager": ["--enforce-eager"]}.items():
         started[name] = stack.enter_context(
             vllm_on_host(vllm_python, model_dir, NAME, work / f"{name}.log", ["--dtype", dtype, *extra]))
     return started
+
+
+def torch_on_host(stack: contextlib.ExitStack, args: list[str], env: dict[str, str], log_path: Path) -> HostServer:
+    """The runtime (`python -m service serve`) on this host, stopped when `stack` closes."""
+    began = time.perf_counter()
+    server = stack.enter_context(ServerProcess(args, env=env, log_path=log_path, timeout=900))
+    return HostServer(server.url, time.perf_counter() - began, server.proc.pid)
+
+
+def torch_args(model_dir: Path, precision: str, manifest: Path, **engine_args) -> list[str]:
+    """The runtime's arguments for the model in `precision`: fp32 with no engine arguments is its own
+    default manifest; anything else one profile written to `manifest`."""
+    args = ["--model", str(model_dir), "--served-model-name", NAME, "--max-model-len", "512"]
+    if precision == "fp32" and not engine_args:
+        return args
+    return [*args, "--manifest", str(manifest_file(model_dir, manifest, precision, **engine_args))]
+
+
+def run_alone(started: dict[str, HostServer], name: str, level: int, model_dir: Path, work: Path,
+              **load) -> dict:
+    """One AIPerf run against `name`, every other server paused and the machine quiet first; a c=1
+    run has the read bandwidth measured on both sides (its limit is their mean)."""
+    with paused([server.pid for other, server in started.items() if other != name]):
+        waited = settle()
+        before = read_bandwidth(tries=3) if level == 1 else None
+        run = aiperf(started[name].url, NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)), work,
+                     **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
+        run["settle_s"] = waited
+        if before is None:
+            return run
+        after = read_bandwidth(tries=3)
+        return run | {"read_bandwidth_before": before, "read_bandwidth_after": after,
+                      "read_bandwidth": (before + after) / 2}
 
 
 def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: int, work: Path) -> dict:
@@ -213,19 +240,9 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
     runs, waits = itertools.count(), []
 
     def measured(name: str, level: int, **load) -> dict:
-        with paused([server.pid for other, server in started.items() if other != name]):
-            return measured_alone(name, level, **load)
-
-    def measured_alone(name: str, level: int, **load) -> dict:
-        waits.append(settle())
-        before = read_bandwidth(tries=3) if level == 1 else None  # the run's own limit, read on both sides
-        run = aiperf(started[name].url, NAME, model_dir, level, load.pop("requests", 4 * max(level, 2)),
-                     work / f"run{next(runs)}", **{"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **load})
-        if before is None:
-            return run
-        after = read_bandwidth(tries=3)
-        return run | {"read_bandwidth_before": before, "read_bandwidth_after": after,
-                      "read_bandwidth": (before + after) / 2}
+        run = run_alone(started, name, level, model_dir, work / f"run{next(runs)}", **load)
+        waits.append(run.pop("settle_s"))
+        return run
 
     with contextlib.ExitStack() as stack:
         started = servers(stack, vllm_python, model_dir, dtype, tiny, work)
@@ -380,22 +397,42 @@ def main() -> None:
                     result[key] = compare(args.vllm_python, model_dir, dtype, name == "tiny", args.rounds, work)
                     result[key]["bandwidth"] = bandwidth_limit(result[key], model_dir, dtype)
                 print(table(key, result[key]), flush=True)
-                if over := bf16_over_fp32(result, name):
-                    result[f"{name}_bf16_over_fp32_c1_decode"] = over
-                    print(f"{name} bf16 over fp32, c=1 decode tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in over.items()))
+                path = write_result("engine_vs_vllm_cpu", result, args.out)
+            if set(PRECISIONS) <= set(dtypes) and native("bfloat16") is None:
+                work = Path(tmp) / f"{name}_bf16_over_fp32"
+                work.mkdir()
+                over = bf16_over_fp32(args.vllm_python, model_dir, args.rounds, work)
+                result[f"{name}_bf16_over_fp32_c1_decode"] = over
+                print(f"{name} bf16 over fp32, c=1 decode tok/s, paired: " + ", ".join(
+                    f"{engine} {r['median']:.2f} [{r['q1']:.2f}, {r['q3']:.2f}]" for engine, r in over["ratio"].items()))
                 path = write_result("engine_vs_vllm_cpu", result, args.out)
     print(path)
 
 
-def bf16_over_fp32(result: dict, name: str) -> dict[str, float]:
-    """Each engine's c=1 decode rate (1 / inter-token p50, medians over rounds) in bf16 over fp32, where
-    both ran: the dtypes run one after the other, so these ratios are not paired."""
-    runs = [result.get(f"{name}_{precision}", {}).get("bandwidth") for precision in ("fp32", "bf16")]
-    if not all(runs):
-        return {}
-    fp32, bf16 = runs
-    return {engine: round(bf16[engine]["decode_tok_s"] / fp32[engine]["decode_tok_s"], 3)
-            for engine in fp32 if isinstance(fp32[engine], dict) and engine in bf16 and "decode_tok_s" in fp32[engine]}
+def bf16_over_fp32(vllm_python: str, model_dir: Path, rounds: int, work: Path) -> dict:
+    """Each engine's c=1 decode rate in bf16 over fp32 (inter-token p50 of fp32 over bf16), paired: an
+    engine's two servers run at once and are measured back to back in every round (the rest paused),
+    so that a pair shares the memory's state; the dtypes' own runs above are minutes apart."""
+    runs = itertools.count()
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for dtype, precision in PRECISIONS.items():
+            args = torch_args(model_dir, precision, work / f"{precision}.json")
+            started[f"torch_{precision}"] = torch_on_host(stack, args, {}, work / f"torch_{precision}.log")
+            started[f"vllm_{precision}"] = stack.enter_context(
+                vllm_on_host(vllm_python, model_dir, NAME, work / f"vllm_{precision}.log", ["--dtype", dtype]))
+        for name in started:  # warm-up, unmeasured
+            run_alone(started, name, max(LEVELS), model_dir, work / f"run{next(runs)}")
+        c1: dict[str, list[dict]] = {name: [] for name in started}
+        for turn in range(rounds):
+            for engine in rotated(["torch", "vllm"], turn):
+                for precision in rotated(list(PRECISIONS.values()), turn):
+                    c1[f"{engine}_{precision}"].append(run_alone(started, f"{engine}_{precision}", 1, model_dir,
+                                                                 work / f"run{next(runs)}"))
+    return {"ratio": {engine: spread([fp32["itl_p50_ms"] / bf16["itl_p50_ms"]
+                                      for fp32, bf16 in zip(c1[f"{engine}_fp32"], c1[f"{engine}_bf16"])])
+                      for engine in ("torch", "vllm")},
+            "paired": "each round's fp32 and bf16 runs of an engine back to back", "rounds": c1}
 
 
 if __name__ == "__main__":
