@@ -6,6 +6,8 @@
 //   decode_attention  one query a sequence over its cache rows, read where they lie
 //   decode_layers     every layer of a decode step (one token a sequence), these and the matmuls
 //                     called from here: one call from the graph instead of ~15 a layer
+//   decode_inputs     what decode_layers takes, from the step's token ids, positions and block
+//                     tables: one call instead of the ~20 small aten ops the graph ran for them
 // In bf16 each op rounds where the aten ops it replaces round (llama_graph.py: the norm computed
 // in fp32, rounded, then times the weight; rotary's two products and their sum each rounded; the
 // residual add rounded), and attention computes in fp32 from the bf16 cache, as the upcast SDPA
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace inferkiln {
@@ -337,6 +340,35 @@ at::Tensor decode_layers(at::Tensor& hidden, at::TensorList weights, at::IntArra
   return x;
 }
 
+// decode_layers' inputs for one token a sequence: the tokens' embeddings [sequences, hidden] (a copy,
+// added to in place by decode_layers), cos and sin at each position [sequences, 1, head_dim], the
+// cache row each new token is written to [sequences], every sequence's cache rows of positions
+// 0..max(positions) [sequences, span] (rows past a sequence's own position are never read) and the
+// positions [sequences, 1]. `tables` holds each sequence's block table, right-padded to `blocks`.
+// The same integers and copies as the graph's aten ops made (llama_graph.LlamaGraph.forward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_inputs(
+    at::IntArrayRef token_ids, at::IntArrayRef positions, at::IntArrayRef tables, int64_t blocks, int64_t block_size,
+    const at::Tensor& embed, const at::Tensor& cos_table, const at::Tensor& sin_table) {
+  const int64_t count = static_cast<int64_t>(token_ids.size());
+  TORCH_CHECK(count > 0 && static_cast<int64_t>(positions.size()) == count && blocks > 0 && block_size > 0 &&
+                  static_cast<int64_t>(tables.size()) == count * blocks,
+              "one position and one block table of `blocks` entries a token");
+  const auto [low, high] = std::minmax_element(positions.begin(), positions.end());
+  const int64_t span = *high + 1;
+  TORCH_CHECK(*low >= 0 && span <= blocks * block_size, "a position lies beyond its block table");
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  at::Tensor rows = at::empty({count, span}, longs), written = at::empty({count}, longs);
+  int64_t *row = rows.data_ptr<int64_t>(), *write = written.data_ptr<int64_t>();
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t* table = tables.data() + s * blocks;
+    for (int64_t j = 0; j < span; ++j) row[s * span + j] = table[j / block_size] * block_size + j % block_size;
+    write[s] = row[s * span + positions[s]];
+  }
+  const at::Tensor where = at::tensor(positions, longs);
+  return {embed.index_select(0, at::tensor(token_ids, longs)), cos_table.index_select(0, where).unsqueeze(1),
+          sin_table.index_select(0, where).unsqueeze(1), written, rows, where.view({count, 1})};
+}
+
 }  // namespace
 
 // The schemas are defined in cpu_gemm.py, as linear_fp32's is.
@@ -346,4 +378,5 @@ TORCH_LIBRARY_IMPL(inferkiln, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_inputs", &decode_inputs);
 }

@@ -69,6 +69,8 @@ _LIBRARY.define("decode_attention(Tensor qkv, int first, int heads, Tensor keys,
 _LIBRARY.define("decode_layers(Tensor(a!) hidden, Tensor[] weights, int[] columns, Tensor?[] biases, Tensor[] norms, "
                 "Tensor final_norm, float eps, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
                 "Tensor written, Tensor rows, Tensor positions, int heads, float scale) -> Tensor")
+_LIBRARY.define("decode_inputs(int[] token_ids, int[] positions, int[] tables, int blocks, int block_size, "
+                "Tensor embed, Tensor cos_table, Tensor sin_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _loaded: bool | None = None
 
 

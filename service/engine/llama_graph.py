@@ -171,7 +171,22 @@ class LlamaGraph(torch.nn.Module):
         to a 32-token prompt's width took 5x as long as the two apart.
 
         Inputs are lists, not tensors: a tensor made in Python and released inside the graph would
-        take the GIL back to drop its Python object."""
+        take the GIL back to drop its Python object.
+
+        Fused, a step of decodes alone (one group of width 1, no adapters, SiLU) runs every layer in one
+        call (cpu_decoder.cpp's decode_layers: the same kernels in the same order, without the
+        interpreter between them), its inputs made in one call too (decode_inputs)."""
+        cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
+        if self.fused and adapter_slots is None and self.act == "silu" and len(groups) == 1 and groups[0][1] == 1:
+            flat_tables: List[int] = []
+            for table in block_tables:
+                flat_tables.extend(table)
+            hidden, cos, sin, written, rows, where = torch.ops.inferkiln.decode_inputs(
+                token_ids, positions, flat_tables, len(block_tables[0]), self.block_size, self.embed, cos_table, sin_table)
+            x = torch.ops.inferkiln.decode_layers(hidden, self.weights, self.columns, self.biases, self.norms,
+                                                  self.final_norm, self.eps, self.keys, self.values, cos, sin,
+                                                  written, rows, where, self.num_heads, self.scaling)
+            return self._head(x, token_ids, outputs)
         device = self.embed.device
         ids = torch.tensor(token_ids, device=device)
         where = torch.tensor(positions, device=device)
@@ -194,31 +209,25 @@ class LlamaGraph(torch.nn.Module):
                 mask = (span.view(1, 1, end) <= queries.unsqueeze(2)).unsqueeze(1)
             attention.append((first_token, count, width, rows, queries, mask, causal))
             first_chunk, first_token = first_chunk + count, first_token + count * width
-        cos_table, sin_table = rope if rope is not None else (self.cos_table, self.sin_table)
         cos, sin = cos_table[where].unsqueeze(1), sin_table[where].unsqueeze(1)  # every head
         masks: List[torch.Tensor] = []  # per projection kind: which columns of A each token keeps
         if adapter_slots is not None:
             slots = torch.tensor(adapter_slots, device=device).view(-1, 1)
             masks = [(slots == columns.view(1, -1)).to(self.embed.dtype) for columns in self.lora_columns]
-        x = self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks)
+        return self._head(self._layers(F.embedding(ids, self.embed), cos, sin, torch.cat(written), attention, masks),
+                          token_ids, outputs)
+
+    def _head(self, x: torch.Tensor, token_ids: List[int], outputs: List[int]) -> torch.Tensor:
+        """The logits after the tokens at `outputs` of the final hidden states `x`."""
         if len(outputs) < len(token_ids) or outputs != list(range(len(token_ids))):
-            x = x.index_select(0, torch.tensor(outputs, device=device))
+            x = x.index_select(0, torch.tensor(outputs, device=x.device))
         return linear(x, self.lm_weight, self.lm_bias, self.lm_layout, self.lm_columns).float()
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, written: torch.Tensor,
                 attention: List[Tuple[int, int, int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]],
                 masks: List[torch.Tensor]) -> torch.Tensor:
         """The decoder layers on `hidden` [tokens, hidden], then the final norm; `attention` as built by
-        forward. Each residual add is fused with the norm after it (`_residual`).
-
-        Fused, a step of decodes alone (one group of width 1, no adapters, SiLU) runs every layer in one
-        call (cpu_decoder.cpp's decode_layers: the same kernels in the same order, without the
-        interpreter between them)."""
-        if self.fused and len(attention) == 1 and attention[0][2] == 1 and len(masks) == 0 and self.act == "silu":
-            rows, positions = attention[0][3], attention[0][4]
-            return torch.ops.inferkiln.decode_layers(hidden, self.weights, self.columns, self.biases, self.norms,
-                                                     self.final_norm, self.eps, self.keys, self.values, cos, sin,
-                                                     written, rows, positions, self.num_heads, self.scaling)
+        forward. Each residual add is fused with the norm after it (`_residual`)."""
         x = self._norm(hidden, self.norms[0])
         for index in range(self.num_layers):
             w = 4 * index

@@ -177,7 +177,8 @@ def test_a_step_of_decodes_alone_runs_its_layers_in_one_call_with_the_same_logit
         packed.forward([(a, [0, 1, 2, 3, 4, 5], 0)])
     monkeypatch.setattr(llama_runner, "SPLIT_WIDTH", 0)  # the prompt chunk beside it stays a chunk: the per-op graph
     mixed, mixed_ops = ran([decode, (a[:3], [10], 0)])
-    assert "inferkiln::decode_layers" in alone_ops and "inferkiln::decode_layers" not in mixed_ops
+    assert {"inferkiln::decode_inputs", "inferkiln::decode_layers"} <= alone_ops
+    assert "inferkiln::decode_layers" not in mixed_ops
     assert torch.allclose(alone[0], mixed[0], atol=1e-5, rtol=0)
 
 
@@ -526,6 +527,32 @@ def test_a_narrow_chunk_runs_as_fused_decode_rows_with_a_decode_steps_floats(mon
     assert "inferkiln::decode_layers" in {event.name for event in profile.events()}
     assert torch.equal(verified[:4], steps) and torch.equal(verified[4:], alone)
     assert torch.allclose(through_sdpa, steps, atol=ATOL) and torch.equal(through_sdpa.argmax(-1), steps.argmax(-1))
+
+
+def test_decode_inputs_are_the_graphs_aten_ops_results():
+    """Embeddings, rotary cos/sin, written rows, cache rows and positions of a step's decodes (tables of
+    unequal lengths, right-padded; blocks scattered through the cache) against the aten ops the graph
+    ran for them: the same integers and the same floats. Positions beyond a table are refused."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(3)
+    embed, cos_table, sin_table = torch.randn(50, 16), torch.randn(40, 8), torch.randn(40, 8)
+    block_size, tables, positions, ids = 4, [[7, 2, 9], [5, 0, 0], [3, 8, 0]], [9, 2, 6], [4, 49, 0]
+    flat = [block for table in tables for block in table]
+    hidden, cos, sin, written, rows, where = torch.ops.inferkiln.decode_inputs(ids, positions, flat, 3, block_size,
+                                                                               embed, cos_table, sin_table)
+    span = torch.arange(max(positions) + 1)
+    expected_rows = torch.tensor(tables).index_select(1, span // block_size) * block_size + span % block_size
+    queries = torch.tensor(positions).view(3, 1)
+    assert torch.equal(rows, expected_rows) and torch.equal(where, queries)
+    assert torch.equal(written, expected_rows.gather(1, queries).flatten())
+    assert torch.equal(hidden, F.embedding(torch.tensor(ids), embed))
+    assert torch.equal(cos, cos_table[torch.tensor(positions)].unsqueeze(1))
+    assert torch.equal(sin, sin_table[torch.tensor(positions)].unsqueeze(1))
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        torch.ops.inferkiln.decode_inputs([1], [12], [7, 2, 9], 3, block_size, embed, cos_table, sin_table)
+    with pytest.raises(RuntimeError, match="block table"):
+        torch.ops.inferkiln.decode_inputs([1, 2], [1, 2], [7, 2, 9], 3, block_size, embed, cos_table, sin_table)
 
 
 def test_fused_kernels_refuse_rows_outside_the_cache():
