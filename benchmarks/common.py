@@ -77,9 +77,9 @@ def wait_until_quiet(busy_seconds: Callable[[], float], quiet_cores: float = 0.1
 def settle() -> float:
     """Wait until the whole machine is quiet (`wait_until_quiet`), for benchmarks whose every server
     is their own; returns the seconds waited."""
-    def busy() -> float:  # all but idle and iowait, from the first line of /proc/stat
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    def busy() -> float:  # every core's CPU seconds but idle and iowait
+        times = psutil.cpu_times()
+        return sum(times) - times.idle - times.iowait
 
     return wait_until_quiet(busy)
 
