@@ -5,8 +5,10 @@
     `serve --dry-run` line less its middleware: LD_PRELOAD, then vLLM's arguments), two containers
     of one vllm-cpu image, both over the docker bridge. Output
     tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
-    pair (runs back to back, the order alternating, the machine quiet before each). On the tiny
-    model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b).
+    pair (runs back to back, the order rotating, the machine quiet before each). On the tiny
+    model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b). On the tiny
+    model a second vLLM own server is in the rotation too (`--no-control` leaves it out): its ratios
+    to the first are what two identical servers differ by here, the noise floor of the runtime's.
 (b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
     a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
 (c) the vllm-cpu runtime image: size, a cold build (no layer cache, warm wheelhouse) and a no-op
@@ -15,7 +17,7 @@
 All servers run as the chart's pod would (non-root, read-only root, 2 CPUs shared with the load
 generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos.
 
-    python -m benchmarks.vllm_backend [--rounds 8] [--skip-cold-build] [--parts a,b,c]
+    python -m benchmarks.vllm_backend [--rounds 8] [--skip-cold-build] [--parts a,b,c] [--models tiny,llama-76m] [--no-control]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from factory.verify.load import LoadSettings, one_request, run_load, summarize
 ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
 LEVELS = (1, 8, 32)
+CONTROL = "vllm_own_again"  # part a's second vLLM own server (`control`)
 
 
 def spec(sample: str, directory: Path) -> Path:
@@ -111,37 +114,48 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
 
 
 def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
-           alternating_tokens: int, per_stream: int) -> dict:
-    """Short runs against each server, back to back with the order alternating, and the runtime's
+           alternating_tokens: int, per_stream: int, control: bool = False) -> dict:
+    """Short runs against each server, back to back with the order rotating, and the runtime's
     cost as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair
     shares it. `model_dir` is mounted in place of the image's weights (None: the image's own);
-    `per_stream` requests a client in each run (more for a fast model, whose runs are short)."""
+    `per_stream` requests a client in each run (more for a fast model, whose runs are short).
+    `control`: a second vLLM's own server in the rotation, its ratios to the first reported beside
+    the runtime's: what two identical servers differ by on this machine, in the same run."""
     runtime, _ = start(client, vllm_image, model_dir=model_dir)
+    servers = [runtime]
     try:
         own, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
-    except BaseException:
-        runtime.stop()
-        raise
-    servers = [runtime, own]
-    try:
+        servers.append(own)
         doors = {"vllm_own": own.bridge_url(), "runtime": runtime.bridge_url()}
+        if control:
+            again, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
+            servers.append(again)
+            doors[CONTROL] = again.bridge_url()
         for url in doors.values():
-            measure(url)  # both once, unmeasured: the batch shapes are compiled
+            measure(url)  # each once, unmeasured: the batch shapes are compiled
         settle(servers)
-        one_by_one = asyncio.run(alternating_requests(doors, alternating, alternating_tokens))
+        one_by_one = asyncio.run(alternating_requests({k: doors[k] for k in ("vllm_own", "runtime")}, alternating,
+                                                      alternating_tokens))
         pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
         for round_ in range(rounds):
             for level in LEVELS:
-                order = list(doors) if round_ % 2 == 0 else list(doors)[::-1]
                 pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,),
                                                                                per_stream=per_stream)[level])
-                                     for name in order})
+                                     for name in rotated(list(doors), round_)})
     finally:
         for server in servers:
             server.stop()
-    return {"rounds": rounds, "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
-            "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()},
-            "alternating_requests_c1": one_by_one, "pairs": pairs}
+    result = {"rounds": rounds, "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
+              "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()}}
+    if control:
+        result["control_over_vllm"] = {level: paired_ratios(runs, CONTROL) for level, runs in pairs.items()}
+    return result | {"alternating_requests_c1": one_by_one, "pairs": pairs}
+
+
+def rotated(names: list[str], turn: int) -> list[str]:
+    """Each round starts with the next door, so none is always measured first."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
 
 
 def quiet_then(servers: list[RunningModel], run):
@@ -180,14 +194,14 @@ async def alternating_requests(doors: dict[str, str], requests: int, output_toke
     return result
 
 
-def paired_ratios(pairs: list[dict]) -> dict:
-    """Median and quartiles of runtime / vLLM's own per pair, with the medians of each."""
+def paired_ratios(pairs: list[dict], door: str = "runtime") -> dict:
+    """Median and quartiles of `door` / vLLM's own per round, with the medians of each."""
     def ratios(key: str) -> list[float]:
-        return [p["runtime"][key] / p["vllm_own"][key] for p in pairs]
+        return [p[door][key] / p["vllm_own"][key] for p in pairs]
 
     return {"output_tok_s": spread(ratios("output_tok_s")), "ttft_p50": spread(ratios("ttft_p50_ms")),
-            **{door: {key: statistics.median(p[door][key] for p in pairs) for key in ("output_tok_s", "ttft_p50_ms")}
-               for door in ("vllm_own", "runtime")}}
+            **{name: {key: statistics.median(p[name][key] for p in pairs) for key in ("output_tok_s", "ttft_p50_ms")}
+               for name in ("vllm_own", door)}}
 
 
 def part_b(client, images: dict[str, str], models: dict[str, Path | None]) -> dict:
@@ -231,6 +245,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--skip-cold-build", action="store_true")
     parser.add_argument("--parts", default="a,b,c", help="which of the parts to run, e.g. a or b,c")
+    parser.add_argument("--models", default="tiny,llama-76m", help="part a's models, e.g. tiny")
+    parser.add_argument("--no-control", action="store_true",
+                        help="part a without the second vLLM own server (the tiny model's noise floor)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     stack_up()
@@ -243,7 +260,8 @@ def main() -> None:
         llama_76m = functools.cache(lambda: make_76m_llama(Path(tmp) / "llama-76m"))  # made on first use
         # (part, key, model, run): each kept in the JSON as soon as it is measured, a model at a time
         steps = [("a", "a_runtime_overhead", "tiny",
-                  lambda: part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16)),
+                  lambda: part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16,
+                                 control=not args.no_control)),
                  # its requests take seconds: fewer rounds, and 16 tokens a request one by one
                  ("a", "a_runtime_overhead", "llama-76m",
                   lambda: part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16,
@@ -251,7 +269,7 @@ def main() -> None:
                  ("b", "b_torch_vs_vllm", None, lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()})),
                  ("c", "c_vllm_cpu_image", None, lambda: part_c(client, specs["vllm"], not args.skip_cold_build))]
         for part, key, model, run in steps:
-            if part not in args.parts.split(","):
+            if part not in args.parts.split(",") or (part == "a" and model not in args.models.split(",")):
                 continue
             if model is None:
                 result[key] = run()
