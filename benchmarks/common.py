@@ -38,6 +38,12 @@ def spread(values: list[float]) -> dict:
     return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
 
 
+def rotated(names: list[str], turn: int) -> list[str]:
+    """Each round starts with the next of `names` (engines, doors), so none is always measured first."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
+
+
 def concurrency_levels(text: str) -> tuple[int, ...]:
     """`--levels 1,16,64` (an argparse type: a bad value is a usage error, not a traceback)."""
     try:

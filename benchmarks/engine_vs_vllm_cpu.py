@@ -61,7 +61,7 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.common import (AIPERF, ROOT, HostServer, aiperf, make_76m_llama, paused, settle, spread,
+from benchmarks.common import (AIPERF, ROOT, HostServer, aiperf, make_76m_llama, paused, rotated, settle, spread,
                                vllm_cpu_preload, vllm_on_host, write_result)
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
@@ -161,12 +161,6 @@ def changed(run: dict) -> bool:
     """Whether the readings before and after a c=1 run differ by over STATE_CHANGE."""
     low, high = sorted((run["read_bandwidth_before"], run["read_bandwidth_after"]))
     return high > low * (1 + STATE_CHANGE)
-
-
-def rotated(names: list[str], turn: int) -> list[str]:
-    """Each round starts with the next engine, so none is always measured first."""
-    shift = turn % len(names)
-    return names[shift:] + names[:shift]
 
 
 def manifest_file(model_dir: Path, path: Path, precision: str, **engine_args) -> Path:

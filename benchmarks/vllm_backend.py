@@ -38,7 +38,7 @@ import aiohttp
 import psutil
 import yaml
 
-from benchmarks.common import make_76m_llama, spread, wait_until_quiet, write_result
+from benchmarks.common import make_76m_llama, rotated, spread, wait_until_quiet, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -150,12 +150,6 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
     if control:
         result["control_over_vllm"] = {level: paired_ratios(runs, CONTROL) for level, runs in pairs.items()}
     return result | {"alternating_requests_c1": one_by_one, "pairs": pairs}
-
-
-def rotated(names: list[str], turn: int) -> list[str]:
-    """Each round starts with the next door, so none is always measured first."""
-    shift = turn % len(names)
-    return names[shift:] + names[:shift]
 
 
 def quiet_then(servers: list[RunningModel], run):
