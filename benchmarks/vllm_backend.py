@@ -17,7 +17,8 @@
 All servers run as the chart's pod would (non-root, read-only root, 2 CPUs shared with the load
 generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos.
 
-    python -m benchmarks.vllm_backend [--rounds 8] [--skip-cold-build] [--parts a,b,c] [--models tiny,llama-76m] [--no-control]
+    python -m benchmarks.vllm_backend [--rounds 8] [--skip-cold-build] [--parts a,b,c]
+                                      [--models tiny,llama-76m] [--no-control]
 """
 
 from __future__ import annotations
