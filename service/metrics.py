@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,6 +53,28 @@ def observe_each(histogram: Histogram, amounts: list[float]) -> None:
     histogram._sum.inc(sum(amounts))
     for bucket, count in collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts).items():
         histogram._buckets[bucket].inc(count)
+
+
+def observe_one(histogram: Histogram, amount: float) -> None:
+    """`histogram.observe(amount)` as observe_each writes it: a bisection, not observe's linear walk
+    of up to 22 buckets."""
+    histogram._sum.inc(amount)
+    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, amount)].inc(1)
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One served model id's labelled children: `labels()` costs a lock and a tuple of its
+    arguments, eight times a request (a fifth of what the contract adds to a request)."""
+
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    prompt_hist: Histogram
+    generation_hist: Histogram
+    ended: dict[str, Counter]  # finished reason: request_success's child, or request_failure's
 
 
 class _EngineStats(Collector):
@@ -115,32 +138,36 @@ class ServiceMetrics:
                                      registry=reg)
         self.generation_hist = Histogram("request_generation_tokens", "Generation tokens per request.", labels,
                                          buckets=tokens, registry=reg)
-        # The base model's series are exported from the start, at zero.
-        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.prompt_hist,
-                       self.generation_hist):
-            family.labels(name)
-        for reason in ("stop", "length"):
-            self.success.labels(name, reason)
-        for reason in ("abort", "error"):
-            self.failure.labels(name, reason)
+        self._series: dict[str, _Series] = {}
+        self._of(name)  # the base model's series are exported from the start, at zero
+
+    def _of(self, name: str) -> _Series:
+        series = self._series.get(name)
+        if series is None:
+            ended = {reason: self.success.labels(name, reason) for reason in ("stop", "length")}
+            ended |= {reason: self.failure.labels(name, reason) for reason in ("abort", "error")}
+            series = self._series[name] = _Series(
+                *(family.labels(name) for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot,
+                                                     self.e2e, self.prompt_hist, self.generation_hist)), ended)
+        return series
 
     def record(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
                token_gaps: list[float], e2e: float, model_name: str | None = None) -> None:
         """One engine request ended; `finished_reason` abort/error count as failures. `model_name`:
         the id the request named (a LoRA adapter's), else the base model's."""
         name = model_name or self.model_name
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(generation_tokens)
-        if finished_reason in ("abort", "error"):
-            self.failure.labels(name, finished_reason).inc()
-        else:
-            self.success.labels(name, finished_reason).inc()
+        series = self._of(name)
+        series.prompt_tokens.inc(prompt_tokens)
+        series.generation_tokens.inc(generation_tokens)
+        if finished_reason not in series.ended:  # any other reason an engine gives is a success's
+            series.ended[finished_reason] = self.success.labels(name, finished_reason)
+        series.ended[finished_reason].inc()
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
-        observe_each(self.tpot.labels(name), token_gaps)
-        self.e2e.labels(name).observe(e2e)
-        self.prompt_hist.labels(name).observe(prompt_tokens)
-        self.generation_hist.labels(name).observe(generation_tokens)
+            observe_one(series.ttft, ttft)
+        observe_each(series.tpot, token_gaps)
+        observe_one(series.e2e, e2e)
+        observe_one(series.prompt_hist, prompt_tokens)
+        observe_one(series.generation_hist, generation_tokens)
 
     def exposition(self) -> bytes:
         """The gauges, and the counters and histograms unless the engine's exposition has them."""

@@ -4,10 +4,10 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from service.metrics import TPOT_BUCKETS, observe_each
+from service.metrics import TPOT_BUCKETS, observe_each, observe_one
 
 
-def test_observing_a_streams_gaps_at_once_exposes_what_observing_each_does():
+def test_observing_a_streams_gaps_at_once_or_by_bisection_exposes_what_observing_each_does():
     """Bounds themselves (a gap on a bucket's edge belongs to it), gaps past the last bound (+Inf),
     zero, and an empty stream; sums as well as buckets."""
     rng = random.Random(7)
@@ -15,10 +15,14 @@ def test_observing_a_streams_gaps_at_once_exposes_what_observing_each_does():
     registries = CollectorRegistry(), CollectorRegistry()
     one_by_one, at_once = (Histogram("time_per_output_token_seconds", "gaps", ["model_name"], buckets=TPOT_BUCKETS,
                                      registry=registry) for registry in registries)
-    for gaps in streams:
+    for i, gaps in enumerate(streams):
         for gap in gaps:
             one_by_one.labels("m").observe(gap)
-        observe_each(at_once.labels("m"), gaps)
+        if i % 2:  # one value at a time too, as a request's TTFT and latency are
+            for gap in gaps:
+                observe_one(at_once.labels("m"), gap)
+        else:
+            observe_each(at_once.labels("m"), gaps)
     exposed = [generate_latest(registry).decode().splitlines() for registry in registries]
     assert [line for line in exposed[0] if "_created" not in line] == [line for line in exposed[1] if "_created" not in line]
     assert 'time_per_output_token_seconds_count{model_name="m"} 90.0' in exposed[1]
