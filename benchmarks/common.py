@@ -38,10 +38,18 @@ def spread(values: list[float]) -> dict:
     return {"median": round(median, 3), "q1": round(q1, 3), "q3": round(q3, 3)}
 
 
-def rotated(names: list[str], turn: int) -> list[str]:
-    """Each round starts with the next of `names` (engines, doors), so none is always measured first."""
-    shift = turn % len(names)
-    return names[shift:] + names[:shift]
+def round_order(names: list[str], turn: int) -> list[str]:
+    """The order of `names` (engines, doors) in round `turn`: a Williams design, whose first n
+    rounds (2n for an odd n) put each name in each position once and right after each other name
+    once (twice), so that neither being measured first nor what ran just before favours one. A
+    rotation alone keeps the cycle's order: with three doors A always ran right after C, and B
+    after A."""
+    n = len(names)
+    base = [0] + [k for i in range(1, n // 2 + 1) for k in (i, n - i)][:n - 1]  # 0, 1, n-1, 2, n-2, ...
+    square = [[(b + shift) % n for b in base] for shift in range(n)]
+    if n % 2:
+        square += [row[::-1] for row in square]
+    return [names[i] for i in square[turn % len(square)]]
 
 
 def concurrency_levels(text: str) -> tuple[int, ...]:

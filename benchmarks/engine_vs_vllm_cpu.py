@@ -36,8 +36,8 @@ server token counts:
 All configurations run at once, each paused (SIGSTOP, its whole process tree) while another is
 measured (an idle server's threads still wake: beside an idle vLLM server a torch c=1 run took
 8.4-9.4 ms a token, alone 5.9-7.5), for `--rounds` rounds; in each round every level measures them
-back to back, in an order that rotates, each once the machine is quiet (vLLM's OpenMP threads spin
-after its last request). Values are medians over rounds; ratios
+back to back, in a balanced order (benchmarks.common.round_order), each once the machine is quiet
+(vLLM's OpenMP threads spin after its last request). Values are medians over rounds; ratios
 the median and quartiles of the per-round paired ratios.
 
     python -m benchmarks.engine_vs_vllm_cpu --vllm-python VENV/bin/python [--models llama-76m,tiny]
@@ -61,8 +61,8 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.common import (AIPERF, ROOT, HostServer, aiperf, make_76m_llama, paused, rotated, settle, spread,
-                               vllm_cpu_preload, vllm_on_host, write_result)
+from benchmarks.common import (AIPERF, ROOT, HostServer, aiperf, make_76m_llama, paused, round_order, settle,
+                               spread, vllm_cpu_preload, vllm_on_host, write_result)
 from factory.tinymodel import ensure_tiny_model
 from service.launcher import ServerProcess
 from service.manifest import Manifest, ModelInfo, Profile, ProfileTags
@@ -248,9 +248,9 @@ def compare(vllm_python: str, model_dir: Path, dtype: str, tiny: bool, rounds: i
         shared: dict[str, list[dict]] = {name: [] for name in prefix_engines}
         for turn in range(rounds):
             for level in LEVELS:
-                for name in rotated(plain, turn):
+                for name in round_order(plain, turn):
                     levels[name][level].append(measured(name, level))
-            for name in rotated(prefix_engines, turn):
+            for name in round_order(prefix_engines, turn):
                 shared[name].append(measured(name, PREFIX_LEVEL, requests=32, prompt_tokens=8, output_tokens=16,
                                              prefix_tokens=PREFIX_TOKENS))
     engines = [name for name in plain if name != "vllm"]
@@ -419,8 +419,8 @@ def bf16_over_fp32(vllm_python: str, model_dir: Path, rounds: int, work: Path) -
             run_alone(started, name, max(LEVELS), model_dir, work / f"run{next(runs)}")
         c1: dict[str, list[dict]] = {name: [] for name in started}
         for turn in range(rounds):
-            for engine in rotated(["torch", "vllm"], turn):
-                for precision in rotated(list(PRECISIONS.values()), turn):
+            for engine in round_order(["torch", "vllm"], turn):
+                for precision in round_order(list(PRECISIONS.values()), turn):
                     c1[f"{engine}_{precision}"].append(run_alone(started, f"{engine}_{precision}", 1, model_dir,
                                                                  work / f"run{next(runs)}"))
     return {"ratio": {engine: spread([fp32["itl_p50_ms"] / bf16["itl_p50_ms"]

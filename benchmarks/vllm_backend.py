@@ -5,10 +5,12 @@
     `serve --dry-run` line less its middleware: LD_PRELOAD, then vLLM's arguments), two containers
     of one vllm-cpu image, both over the docker bridge. Output
     tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
-    pair (runs back to back, the order rotating, the machine quiet before each). On the tiny
-    model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b). On the tiny
-    model a second vLLM own server is in the rotation too (`--no-control` leaves it out): its ratios
-    to the first are what two identical servers differ by here, the noise floor of the runtime's.
+    pair (runs back to back, the machine quiet before each, the order a Williams design over the
+    rounds: each door in each position, and right after each other door, equally often). On the
+    tiny model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b). On the
+    tiny model a second vLLM own server is in the rounds too (`--no-control` leaves it out): its
+    ratios to the first are what two identical servers differ by here, the noise floor of the
+    runtime's.
 (b) the torch engine (the cpu image) against vLLM (the vllm-cpu image) on the tiny model and on
     a ~76M-parameter random-weights Llama made here: tok/s, TTFT p50, start to ready.
 (c) the vllm-cpu runtime image: size, a cold build (no layer cache, warm wheelhouse) and a no-op
@@ -17,7 +19,7 @@
 All servers run as the chart's pod would (non-root, read-only root, 2 CPUs shared with the load
 generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos.
 
-    python -m benchmarks.vllm_backend [--rounds 8] [--skip-cold-build] [--parts a,b,c]
+    python -m benchmarks.vllm_backend [--rounds 12] [--skip-cold-build] [--parts a,b,c]
                                       [--models tiny,llama-76m] [--no-control]
 """
 
@@ -39,7 +41,7 @@ import aiohttp
 import psutil
 import yaml
 
-from benchmarks.common import make_76m_llama, rotated, spread, wait_until_quiet, write_result
+from benchmarks.common import make_76m_llama, round_order, spread, wait_until_quiet, write_result
 from factory.image.build import build_images
 from factory.pipeline.runner import Runner
 from factory.stack import docker_client, stack_up
@@ -116,11 +118,11 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
 
 def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
            alternating_tokens: int, per_stream: int, control: bool = False) -> dict:
-    """Short runs against each server, back to back with the order rotating, and the runtime's
+    """Short runs against each server, back to back in a balanced order, and the runtime's
     cost as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair
     shares it. `model_dir` is mounted in place of the image's weights (None: the image's own);
     `per_stream` requests a client in each run (more for a fast model, whose runs are short).
-    `control`: a second vLLM's own server in the rotation, its ratios to the first reported beside
+    `control`: a second vLLM's own server in the rounds, its ratios to the first reported beside
     the runtime's: what two identical servers differ by on this machine, in the same run."""
     runtime, _ = start(client, vllm_image, model_dir=model_dir)
     servers = [runtime]
@@ -142,7 +144,7 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
             for level in LEVELS:
                 pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,),
                                                                                per_stream=per_stream)[level])
-                                     for name in rotated(list(doors), round_)})
+                                     for name in round_order(list(doors), round_)})
     finally:
         for server in servers:
             server.stop()
@@ -237,7 +239,8 @@ def part_c(client, vllm_spec: Path, cold: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12,
+                        help="part a's on the tiny model (two cycles of its three doors' order); half on the 76M shape")
     parser.add_argument("--skip-cold-build", action="store_true")
     parser.add_argument("--parts", default="a,b,c", help="which of the parts to run, e.g. a or b,c")
     parser.add_argument("--models", default="tiny,llama-76m", help="part a's models, e.g. tiny")
