@@ -133,6 +133,9 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     assert grew("generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert grew("request_success_total") == len(usages)
     assert grew("e2e_request_latency_seconds_count") == len(usages)
+    streamed = usages[1::2]  # a whole answer has no time to its first token, nor gaps
+    assert grew("time_to_first_token_seconds_count") == len(streamed)
+    assert grew("time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in streamed)
     assert grew("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages), "vLLM's own metrics"
     assert ("num_requests_running", (("model_name", MODEL),)) in after
 

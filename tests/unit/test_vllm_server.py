@@ -150,7 +150,7 @@ USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"
 DONE = b"data: [DONE]\n\n"
 
 
-def _pass(rt, body: bytes = b"{}", keep_usage: bool = False, on_message=None) -> list[dict]:
+def _pass(rt, body: bytes = b"{}", keep_usage: bool = False, on_message=None, token_per_event: bool = True) -> list[dict]:
     sent: list[dict] = []
 
     async def send(message):
@@ -163,7 +163,8 @@ def _pass(rt, body: bytes = b"{}", keep_usage: bool = False, on_message=None) ->
 
     rt.admission.enter(bounded=False)
     scope = {"type": "http", "headers": [(b"content-length", b"2")], "state": {"request_id": "req-1"}}
-    asyncio.run(Passthrough(rt, body, generates=True, keep_usage=keep_usage)(scope, receive, send))
+    asyncio.run(Passthrough(rt, body, generates=True, keep_usage=keep_usage, token_per_event=token_per_event)(
+        scope, receive, send))
     return sent
 
 
@@ -181,6 +182,23 @@ def test_a_stream_passes_as_sent_counted_before_its_last_event_without_the_usage
     assert _sample(rt, "time_per_output_token_seconds_count") == 1
     kept = _pass(_runtime(_engine(200, SSE, [HI, END, USAGE, DONE])), keep_usage=True)
     assert b"".join(m.get("body", b"") for m in kept) == HI + END + USAGE + DONE
+
+
+def test_after_the_first_output_each_event_until_the_last_is_a_tokens():
+    held = b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}\n\n'  # its text held back
+    rt = _runtime(_engine(200, SSE, [ROLE, HI, held, END, USAGE, DONE, b""]))  # Starlette ends with an empty body
+    _pass(rt)
+    assert _sample(rt, "time_per_output_token_seconds_count") == 2, "HI to the held token, it to END; no more"
+    assert _sample(rt, "time_to_first_token_seconds_count") == 1
+
+    # A /v1/responses stream also tells of its items: only its deltas are tokens.
+    item = b'event: response.output_item.added\ndata: {"type":"response.output_item.added","item":{}}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+    completed = (b'event: response.completed\ndata: {"type":"response.completed","response":'
+                 b'{"usage":{"input_tokens":5,"output_tokens":2}}}\n\n')
+    rt = _runtime(_engine(200, SSE, [item, delta, item, delta, item, completed]))
+    _pass(rt, keep_usage=True, token_per_event=False)
+    assert _sample(rt, "time_per_output_token_seconds_count") == 1 and _sample(rt, "generation_tokens_total") == 2
 
 
 def test_a_client_that_leaves_mid_stream_is_an_abort():
