@@ -20,6 +20,7 @@ from service.admission import drain_then_stop
 from service.api.passthrough import PASSED, PassthroughApp
 from service.app import build_app, with_contract_layers
 from service.engine.vllm_server import Resolved, VllmServer
+from service.logs import lean_records
 from service.profiles import detect_hardware
 from service.runtime import Runtime, Selection, build_runtime, load_model_manifest
 
@@ -42,6 +43,7 @@ class NimContract:
     """Pure ASGI: HTTP goes to the contract's app; vLLM's lifespan starts and stops the contract's."""
 
     def __init__(self, app) -> None:
+        lean_records()  # an API server process vLLM started configured its logging from the file
         self.app = app  # vLLM's ASGI stack below this middleware
         self.runtime = resolved_runtime()
         assert isinstance(self.runtime.engine, VllmServer), "the runtime file names a vLLM profile"
