@@ -8,7 +8,6 @@ import logging
 import re
 import secrets
 import time
-import uuid
 
 from service.api.errors import ServingError
 from service.logs import request_id_var
@@ -40,7 +39,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER, b"").decode("latin-1")
-        request_id = incoming if VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request_id = incoming if VALID_REQUEST_ID.match(incoming) else secrets.token_hex(16)  # uuid4's hex, 1 us less
         token = request_id_var.set(request_id)
         scope.setdefault("state", {})["request_id"] = request_id
         start, status = time.perf_counter(), 500

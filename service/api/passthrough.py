@@ -40,6 +40,7 @@ RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length", 
 OUTPUT = re.compile(rb'"(?:text|content|reasoning_content|reasoning|delta)":"[^"]|"tool_calls":\[\{')
 # An event that may end a request or carry its usage: parsed.
 MAY_END = re.compile(rb'"finish_reason":"|"usage":\{|"type":"response\.(?:completed|incomplete|failed)"')
+NOT_ENDING = b'"finish_reason":null'  # a chat or completions event of a choice that goes on
 
 
 @dataclass
@@ -247,7 +248,14 @@ class Passthrough:
         After the first output of a chat or completions stream, vLLM sends an event a token (its text
         held back or not) until the one that ends it: each is a token's, and only MAY_END is looked
         for. Before it (a chat stream's role comes first), and in a /v1/responses stream (whose
-        events also tell of its items), OUTPUT says which events carry output."""
+        events also tell of its items), OUTPUT says which events carry output.
+
+        A token's event that does not end it says so (vLLM writes each choice's finish reason, null
+        until it ends): found at half the cost of MAY_END. The usage that event may carry too (with
+        `continuous_usage_stats`) is the final usage event's, later, to the same count."""
+        if self.tokens_follow and NOT_ENDING in data:
+            self.observed.outputs.append(time.perf_counter())
+            return data
         ending = MAY_END.search(data)
         if self.tokens_follow and not ending:
             if data.startswith(b"data: {"):  # not [DONE], nor the empty body that closes the stream
@@ -292,6 +300,8 @@ class Passthrough:
 
 def _data(raw: bytes) -> bytes:
     """The JSON of an event's `data:` line (an event may name its type on an `event:` line first)."""
+    if raw.startswith(b"data: {") and b"\n" not in raw:
+        return raw[6:]  # chat's and completions' events: one line
     return next((line[6:] for line in raw.split(b"\n") if line.startswith(b"data: {")), b"")
 
 
