@@ -179,7 +179,7 @@ class Passthrough:
 
     def __init__(self, rt, body: bytes, generates: bool, keep_usage: bool, token_per_event: bool = True) -> None:
         self.rt, self.body, self.generates, self.keep_usage = rt, body, generates, keep_usage
-        self.token_per_event, self.tokens_follow = token_per_event, False  # see _events
+        self.token_per_event = token_per_event  # see _events
         self.observed = Observed()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -247,25 +247,19 @@ class Passthrough:
         observed; the usage-only event the runtime asked for is dropped when the client did not ask.
 
         After the first output of a chat or completions stream, vLLM sends an event a token (its text
-        held back or not) until the one that ends it: each is a token's, and only MAY_END is looked
-        for. Before it (a chat stream's role comes first), and in a /v1/responses stream (whose
-        events also tell of its items), OUTPUT says which events carry output.
-
-        A token's event that does not end it says so (vLLM writes each choice's finish reason, null
-        until it ends): found at half the cost of MAY_END. The usage that event may carry too (with
+        held back or not) until the one that ends it, each with its choice's finish reason null: such
+        an event is a token's, found by NOT_ENDING at a third of the cost of the regular expressions.
+        Every other event (a chat stream's role first, the last ones, all of a /v1/responses stream,
+        whose events also tell of its items) carries output where OUTPUT finds it, and is parsed
+        where MAY_END finds what may end the request. The usage a token's event may carry too (with
         `continuous_usage_stats`) is the final usage event's, later, to the same count."""
-        if self.tokens_follow and NOT_ENDING in data:
-            self.observed.outputs.append(time.perf_counter())
-            return data
-        ending = MAY_END.search(data)
-        if self.tokens_follow and not ending:
-            if data.startswith(b"data: {"):  # not [DONE], nor the empty body that closes the stream
-                self.observed.outputs.append(time.perf_counter())
+        outputs = self.observed.outputs
+        if outputs and self.token_per_event and NOT_ENDING in data:
+            outputs.append(time.perf_counter())
             return data
         if OUTPUT.search(data):
-            self.observed.outputs.append(time.perf_counter())
-            self.tokens_follow = self.token_per_event
-        if not ending:
+            outputs.append(time.perf_counter())
+        if not MAY_END.search(data):
             return data
         out = []
         for raw in data.split(b"\n\n"):
