@@ -3,14 +3,12 @@
 //
 // Each panel is computed by 4x24 tiles: 12 ymm accumulators, 3 loads of W and 4 broadcasts of x per
 // k, so the FMA units are the bound with several rows and memory is with one. One row (a decode step
-// of one sequence) is computed against 4 adjacent panels at once instead: 4 streams of W in flight
-// per core read memory faster than one (see row_tile). On CPUs with AVX-512 the one-row path runs
-// with zmm registers and prefetches each stream ahead of its loads (row_tile_avx512), which kept the
-// read rate up where the AVX2 loop fell behind the memory, and the tiles of several rows take one
-// zmm and one ymm FMA a k and row where AVX2 takes three (tile_avx512). Threads split the panels
-// (torch's OpenMP team), taking them a panel (one row: 4 panels) at a time as each is done rather
-// than a fixed share: on a machine whose cores are shared (a load generator, the event loop), a
-// thread that is preempted mid-matmul would otherwise hold the whole team at the region's end.
+// of one sequence) is a panel at a time, each thread reading its contiguous share of the panels
+// (cpu_shares.h: a thread that is preempted mid-matmul, on a machine whose cores are shared with a
+// load generator or the event loop, has the rest of its share taken by the others). On CPUs with
+// AVX-512 the one-row tile runs with zmm registers (row_tile_avx512), and the tiles of several rows
+// take one zmm and one ymm FMA a k and row where AVX2 takes three (tile_avx512). With several rows
+// threads take a panel at a time as each is done.
 // Why not oneDNN: see cpu_gemm.py.
 //
 // The AVX-512 functions are compiled for it by a pragma (below), the rest of the library for AVX2:
@@ -21,6 +19,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "cpu_shares.h"
 
 #include <algorithm>
 #include <atomic>
@@ -77,102 +77,48 @@ inline void tile(const float* a, int64_t lda, const float* w, int64_t k0, int64_
   _mm256_store_ps(acc[3], c30); _mm256_store_ps(acc[3] + 8, c31); _mm256_store_ps(acc[3] + 16, c32);
 }
 
-// One row of x against S adjacent panels over all k, into out's columns of panels p0..p0+S-1.
-// S streams of W per core: on the 2-core EPYC one stream a core read the 76M shape's 40 matmuls at
-// 0.91 of the rate torch's sum reads their bytes as one tensor, four streams at 0.99-1.01 (in one
-// process, alternating). The unroll pragmas keep the 3S accumulators in registers.
-template <int S>
-inline void row_tile(const float* a, const float* w, int64_t K, float* out, int64_t n, int64_t p0) {
-  __m256 c[S][3];
-#pragma GCC unroll 4
-  for (int s = 0; s < S; ++s) c[s][0] = c[s][1] = c[s][2] = _mm256_setzero_ps();
-  const int64_t stride = K * kPanel;
+// One row of x against one panel over all k, into out's columns of panel p. Threads read their
+// shares of the panels as one stream each (one_row), which the hardware prefetchers follow.
+void row_tile(const float* a, const float* w, int64_t K, float* out, int64_t n, int64_t p) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
   for (int64_t k = 0; k < K; ++k) {
     const __m256 x = _mm256_broadcast_ss(a + k);
     const float* wk = w + k * kPanel;
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      c[s][0] = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk + s * stride), c[s][0]);
-      c[s][1] = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk + s * stride + 8), c[s][1]);
-      c[s][2] = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk + s * stride + 16), c[s][2]);
-    }
+    c0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk), c0);
+    c1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk + 8), c1);
+    c2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(wk + 16), c2);
   }
   alignas(32) float acc[kPanel];
-#pragma GCC unroll 4
-  for (int s = 0; s < S; ++s) {
-    _mm256_store_ps(acc, c[s][0]); _mm256_store_ps(acc + 8, c[s][1]); _mm256_store_ps(acc + 16, c[s][2]);
-    const int64_t p = p0 + s;
-    std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
-  }
-}
-
-constexpr int64_t kStreams = 4;  // panels a one-row matmul reads at once
-
-// Panels p0..p0+S-1 against one row with AVX2 (row_tile): S from the panels left.
-void row_unit(const float* a, const float* wp, int64_t K, float* c, int64_t n, int64_t p0, int64_t S) {
-  switch (S) {
-    case 4: row_tile<4>(a, wp, K, c, n, p0); break;
-    case 3: row_tile<3>(a, wp, K, c, n, p0); break;
-    case 2: row_tile<2>(a, wp, K, c, n, p0); break;
-    default: row_tile<1>(a, wp, K, c, n, p0); break;
-  }
+  _mm256_store_ps(acc, c0); _mm256_store_ps(acc + 8, c1); _mm256_store_ps(acc + 16, c2);
+  std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
 }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl")
 
-// row_tile with AVX-512: a k of a panel is one zmm (16 columns) and one ymm (8), and each stream is
-// prefetched kAhead bytes ahead, a line a k. The 76M shape's 40 matmuls on a 2-core Zen 5 EPYC, in
-// one process alternating with the AVX2 loop and torch's sum (an ad hoc probe, 100 pairs over 3
-// minutes): while the sum read 45-50 GB/s both read about as fast as it (the AVX2 loop 0.95 of it,
-// this 1.0-1.05), but in the minutes the VM's memory gave 75-80 GB/s the AVX2 loop read 0.80-0.84
-// of the sum and this 0.93-0.97 (4.1 against 4.8 ms). Each column sums its k in the same order, one
-// FMA each, as row_tile's: the same floats.
-constexpr int64_t kAhead = 1536;  // bytes a stream is prefetched ahead: 16 k
-
-template <int S>
-inline void row_tile_avx512(const float* a, const float* w, int64_t K, float* out, int64_t n, int64_t p0) {
-  __m512 lo[S];
-  __m256 hi[S];
-#pragma GCC unroll 4
-  for (int s = 0; s < S; ++s) {
-    lo[s] = _mm512_setzero_ps();
-    hi[s] = _mm256_setzero_ps();
-  }
-  const int64_t stride = K * kPanel;
+// row_tile with AVX-512: a k of the panel is one zmm (16 columns) and one ymm (8). Each column sums
+// its k in the same order, one FMA each, as row_tile's: the same floats. Not inlined into its AVX2
+// caller (the compiler refuses to across targets). Until 2026-12 it read 4 panels at once, each
+// prefetched 1536 bytes ahead, which helped while threads took interleaved panels; from contiguous
+// shares, one stream without prefetches read the 76M shape's 40 matmuls the fastest (cpu_shares.h).
+__attribute__((noinline)) void row_tile_avx512(const float* a, const float* w, int64_t K, float* out, int64_t n,
+                                               int64_t p) {
+  __m512 lo = _mm512_setzero_ps();
+  __m256 hi = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 x = _mm512_set1_ps(a[k]);
     const float* wk = w + k * kPanel;
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      // 96 bytes a k: a line at this k's offset every k and the one after it every other k touch
-      // each line once (prefetches never fault, past the panel's end included)
-      _mm_prefetch(reinterpret_cast<const char*>(wk + s * stride) + kAhead, _MM_HINT_T0);
-      if (k % 2) _mm_prefetch(reinterpret_cast<const char*>(wk + s * stride) + kAhead + 64, _MM_HINT_T0);
-      lo[s] = _mm512_fmadd_ps(x, _mm512_loadu_ps(wk + s * stride), lo[s]);
-      hi[s] = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm256_loadu_ps(wk + s * stride + 16), hi[s]);
-    }
+    lo = _mm512_fmadd_ps(x, _mm512_loadu_ps(wk), lo);
+    hi = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm256_loadu_ps(wk + 16), hi);
   }
   alignas(64) float acc[32];
-#pragma GCC unroll 4
-  for (int s = 0; s < S; ++s) {
-    _mm512_store_ps(acc, lo[s]);
-    _mm256_store_ps(acc + 16, hi[s]);
-    const int64_t p = p0 + s;
-    std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
-  }
+  _mm512_store_ps(acc, lo);
+  _mm256_store_ps(acc + 16, hi);
+  std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
 }
 
-// row_unit with AVX-512; not inlined into its AVX2 caller (the compiler refuses to across targets).
-__attribute__((noinline)) void row_unit_avx512(const float* a, const float* wp, int64_t K, float* c, int64_t n,
-                                               int64_t p0, int64_t S) {
-  switch (S) {
-    case 4: row_tile_avx512<4>(a, wp, K, c, n, p0); break;
-    case 3: row_tile_avx512<3>(a, wp, K, c, n, p0); break;
-    case 2: row_tile_avx512<2>(a, wp, K, c, n, p0); break;
-    default: row_tile_avx512<1>(a, wp, K, c, n, p0); break;
-  }
-}
+// Bytes the tiles of several rows prefetch W ahead (row_groups), 16 k.
+constexpr int64_t kAhead = 1536;
 
 // tile with AVX-512, up to 8 rows: per k and row, one zmm FMA (16 columns) and one ymm (8) where
 // AVX2 takes three ymm. With several rows the AVX2 tiles are bound by the FMA units on a 2-core Zen 5 EPYC (the 76M
@@ -210,7 +156,7 @@ inline void tile_avx512(const float* a, int64_t lda, const float* w, int64_t k0,
   }
 }
 
-// group_tile with AVX-512, up to 8 rows (not inlined into its AVX2 caller, as row_unit_avx512).
+// group_tile with AVX-512, up to 8 rows (not inlined into its AVX2 caller, as row_tile_avx512).
 __attribute__((noinline)) void group_tile_avx512(int64_t rows, const float* a, int64_t lda, const float* w,
                                                  int64_t k0, int64_t k1, float (*acc)[kPanel], bool first,
                                                  int64_t ahead) {
@@ -250,17 +196,10 @@ bool has_avx512() {
   return avx512;
 }
 
-// y = x W.T for one row: threads take kStreams panels at a time, as each is done.
+// y = x W.T for one row: a panel at a time, from each thread's contiguous share (cpu_shares.h).
 void one_row(const float* a, const float* w, int64_t K, int64_t panels, float* c, int64_t n) {
-  const auto unit = has_avx512() ? row_unit_avx512 : row_unit;
-  const int64_t units = (panels + kStreams - 1) / kStreams;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t u = next++; u < units; u = next++) {
-      const int64_t p0 = u * kStreams;
-      unit(a, w + p0 * K * kPanel, K, c, n, p0, std::min(kStreams, panels - p0));
-    }
-  });
+  const auto tile = has_avx512() ? row_tile_avx512 : row_tile;
+  inferkiln::for_each_unit(panels, [&](int64_t p) { tile(a, w + p * K * kPanel, K, c, n, p); });
 }
 
 constexpr int64_t kGroups = 16;  // row groups a panel takes at once

@@ -10,12 +10,13 @@ one row, 12.6 against 24.9 at 8, 23.1 against 32.8 at 16). On a 2-core AMD EPYC 
 alternating: 9.1 against 14.0 ms at one row, 13.2 against 15.0 at 8). It is used where it was
 measured: fp32 on x86 CPUs with AVX2 and FMA, AMD's with or without AVX-512, others without; on
 Intel's AVX-512 CPUs, whose oneDNN kernels it has not been compared with, oneDNN stays. One row (a
-c=1 decode step) runs against 4 adjacent panels at once: with one stream of W a core the 40
-matmuls read 0.91 of the rate torch's sum reads their bytes as one tensor, with four 0.99-1.01 (in
-one process, alternating; see the README's issue-29 section). On CPUs with AVX-512 that one-row path
-runs with zmm registers and prefetches ahead (cpu_gemm.cpp's row_tile_avx512): on a Zen 5 EPYC
-whose memory moved between 45-50 and 75-80 GB/s, the AVX2 loop fell to 0.80-0.84 of the sum's rate
-in the fast state, this read 0.93-0.97 of it.
+c=1 decode step) is a panel at a time, each thread reading a contiguous share of the panels as one
+stream (cpu_shares.h), with zmm registers where the CPU has AVX-512 (cpu_gemm.cpp's
+row_tile_avx512). Until 2026-12 threads took 4 adjacent panels at a time from one shared counter,
+prefetching each ahead: on a 2-core Zen 5 EPYC whose memory moves between about 35 and 60-70 GB/s,
+the shares read the 76M shape's 40 one-row matmuls 1.15-1.17x as fast in the fast state and
+0.97-1.00x in the slow one (medians of 18-26 rounds, alternating processes; the README's issue-29
+section).
 
 bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-BF16's vdpbf16ps),
 chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 # the fp32 matmul, the decoder layer's small ops fused (cpu_decoder.cpp) and the bf16 matmul, in one library
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_shares.h"),)  # how the matmuls split their panels between threads
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
 PANEL_BF16 = 16  # output columns per bf16 panel (cpu_gemm_bf16.cpp's kColumns)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
@@ -83,7 +85,7 @@ def kernel_dir() -> Path:
 
 def library_path(directory: Path | None = None) -> Path:
     """The library for these sources, torch version and compiler flags: a change to any builds anew."""
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS) + torch.__version__.encode()
                          + " ".join(FLAGS).encode())
     return (directory or kernel_dir()) / f"cpu_gemm-{key.hexdigest()[:16]}.so"
 

@@ -6,7 +6,7 @@
 //
 // A tile is up to 4 rows of x against up to 4 adjacent panels (16 zmm sums): with one row (a c=1
 // decode step) that is 4 streams of W per core, as linear_fp32's one-row path reads (cpu_gemm.cpp).
-// Threads take 4 panels at a time as each is done. Why not oneDNN: see cpu_gemm.py.
+// Threads take 4 panels at a time from their contiguous shares (cpu_shares.h). Why not oneDNN: see cpu_gemm.py.
 //
 // The kernel's functions are compiled for AVX-512 (the pragma below), the rest of the library is
 // not: the op checks the CPU before it calls them. The headers come first, so that none of their
@@ -17,8 +17,9 @@
 
 #include <immintrin.h>
 
+#include "cpu_shares.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 namespace {
@@ -130,11 +131,7 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, int64_
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr,
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), pairs, x.size(0), n, panels};
   if (mm.M == 0) return out;
-  const int64_t units = (panels + kStreams - 1) / kStreams;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t u = next++; u < units; u = next++) panel_group(mm, u * kStreams);
-  });
+  inferkiln::for_each_unit((panels + kStreams - 1) / kStreams, [&](int64_t u) { panel_group(mm, u * kStreams); });
   return out;
 }
 

@@ -230,7 +230,7 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x, packed, columns, None), expected, atol=1e-4)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x.transpose(0, 1), packed, columns, bias),
                           (expected + bias).transpose(0, 1), atol=1e-4), "non-contiguous input, bias"
-    one = x[:1, :1]  # one row: its own path, 4 panels at a time (1-9 panels here: each remainder)
+    one = x[:1, :1]  # one row: its own path, a panel at a time (1-9 panels here)
     alone = torch.ops.inferkiln.linear_fp32(one, packed, columns, bias)
     assert torch.allclose(alone, one @ weight.T + bias, atol=1e-4)
     # the one-row path (AVX-512 where the CPU has it) sums each column's k in the tiles' order: the same floats
@@ -257,6 +257,40 @@ def test_the_avx512_and_avx2_paths_compute_the_same_floats(tmp_path):
     packed = cpu_gemm.pack(weight)
     for m, avx2 in zip(rows, torch.load(tmp_path / "avx2.pt")):
         assert torch.equal(torch.ops.inferkiln.linear_fp32(x[:m], packed, 100, bias), avx2), f"{m} rows"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_every_panel_is_computed_once_whatever_the_threads(threads):
+    """Each thread takes its contiguous share of the panels and then the others' from their backs
+    (cpu_shares.h): with more threads than cores, a share's owner is preempted and its panels taken
+    by others. Every thread count gives the floats one thread gives, for one row and several, fp32
+    and bf16, with fewer panels than threads too."""
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
+    torch.manual_seed(threads)
+    before = torch.get_num_threads()
+    weights = {columns: torch.randn(columns, 96) for columns in (24, 70, 1000)}
+    x = torch.randn(8, 96)
+    cases = [(w, m) for w in weights.values() for m in (1, 8)]
+    packed = [cpu_gemm.pack(w) for w in weights.values()]
+    try:
+        torch.set_num_threads(1)
+        alone = [torch.ops.inferkiln.linear_fp32(x[:m], cpu_gemm.pack(w), w.shape[0], None) for w, m in cases]
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            shared = [torch.ops.inferkiln.linear_fp32(x[:m], p, w.shape[0], None)
+                      for (w, m), p in zip(cases, [p for p in packed for _ in (1, 8)])]
+            assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+        if bf16_panels_run_here():
+            torch.set_num_threads(1)
+            alone = [torch.ops.inferkiln.linear_bf16(x[:m].bfloat16(), cpu_gemm.pack_bf16(w.bfloat16()), w.shape[0],
+                                                     None) for w, m in cases]
+            torch.set_num_threads(threads)
+            shared = [torch.ops.inferkiln.linear_bf16(x[:m].bfloat16(), cpu_gemm.pack_bf16(w.bfloat16()), w.shape[0],
+                                                      None) for w, m in cases]
+            assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+    finally:
+        torch.set_num_threads(before)
 
 
 def bf16_panels_run_here() -> bool:
