@@ -5,8 +5,8 @@
 // sums are rounded to bf16 once, after the bias is added, as oneDNN rounds them.
 //
 // A tile is up to 4 rows of x against up to 4 adjacent panels (16 zmm sums): with one row (a c=1
-// decode step) that is 4 streams of W per core, as linear_fp32's one-row path reads (cpu_gemm.cpp).
-// Threads take 4 panels at a time from their contiguous shares (cpu_shares.h). Why not oneDNN: see cpu_gemm.py.
+// decode step) that is 4 streams of W per core. Threads take 4 panels at a time from their
+// contiguous shares (cpu_shares.h). Why not oneDNN: see cpu_gemm.py.
 //
 // The kernel's functions are compiled for AVX-512 (the pragma below), the rest of the library is
 // not: the op checks the CPU before it calls them. The headers come first, so that none of their

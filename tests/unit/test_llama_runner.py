@@ -269,26 +269,20 @@ def test_every_panel_is_computed_once_whatever_the_threads(threads):
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     torch.manual_seed(threads)
     before = torch.get_num_threads()
-    weights = {columns: torch.randn(columns, 96) for columns in (24, 70, 1000)}
     x = torch.randn(8, 96)
-    cases = [(w, m) for w in weights.values() for m in (1, 8)]
-    packed = [cpu_gemm.pack(w) for w in weights.values()]
+    cases = [(w, m) for w in [torch.randn(columns, 96) for columns in (24, 70, 1000)] for m in (1, 8)]
+    kernels = [(torch.ops.inferkiln.linear_fp32, cpu_gemm.pack, torch.float32)]
+    if bf16_panels_run_here():
+        kernels.append((torch.ops.inferkiln.linear_bf16, cpu_gemm.pack_bf16, torch.bfloat16))
     try:
-        torch.set_num_threads(1)
-        alone = [torch.ops.inferkiln.linear_fp32(x[:m], cpu_gemm.pack(w), w.shape[0], None) for w, m in cases]
-        torch.set_num_threads(threads)
-        for _ in range(20):
-            shared = [torch.ops.inferkiln.linear_fp32(x[:m], p, w.shape[0], None)
-                      for (w, m), p in zip(cases, [p for p in packed for _ in (1, 8)])]
-            assert all(torch.equal(a, b) for a, b in zip(alone, shared))
-        if bf16_panels_run_here():
+        for op, pack, dtype in kernels:
+            inputs = [(x[:m].to(dtype), pack(w.to(dtype)), w.shape[0]) for w, m in cases]
             torch.set_num_threads(1)
-            alone = [torch.ops.inferkiln.linear_bf16(x[:m].bfloat16(), cpu_gemm.pack_bf16(w.bfloat16()), w.shape[0],
-                                                     None) for w, m in cases]
+            alone = [op(rows, packed, n, None) for rows, packed, n in inputs]
             torch.set_num_threads(threads)
-            shared = [torch.ops.inferkiln.linear_bf16(x[:m].bfloat16(), cpu_gemm.pack_bf16(w.bfloat16()), w.shape[0],
-                                                      None) for w, m in cases]
-            assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+            for _ in range(20):
+                assert all(torch.equal(op(rows, packed, n, None), one)
+                           for (rows, packed, n), one in zip(inputs, alone)), dtype
     finally:
         torch.set_num_threads(before)
 
