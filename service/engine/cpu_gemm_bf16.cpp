@@ -6,7 +6,10 @@
 //
 // A tile is up to 4 rows of x against up to 4 adjacent panels (16 zmm sums): with one row (a c=1
 // decode step) that is 4 streams of W per core. Threads take 4 panels at a time from their
-// contiguous shares (cpu_shares.h). Why not oneDNN: see cpu_gemm.py.
+// contiguous shares (cpu_shares.h). Where a matmul reads each line of W once (up to 4 rows, W
+// aligned), it reads them with non-temporal loads, as linear_fp32's one-row tile does and for its
+// reason (cpu_gemm.cpp's row_tile_avx512); with more rows a panel's lines are read again from cache.
+// Why not oneDNN: see cpu_gemm.py.
 //
 // The kernel's functions are compiled for AVX-512 (the pragma below), the rest of the library is
 // not: the op checks the CPU before it calls them. The headers come first, so that none of their
@@ -34,13 +37,15 @@ struct Matmul {
   const uint16_t* bias;    // [n] bf16, or null
   uint16_t* out;           // [M, n] bf16
   int64_t pairs, M, n, panels;
+  bool once;               // every line of W is read once, and W is 64-byte aligned: non-temporal loads
 };
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
-// Rows m0..m0+R-1 of x against panels p0..p0+S-1, over every pair of k.
-template <int R, int S>
+// Rows m0..m0+R-1 of x against panels p0..p0+S-1, over every pair of k (W's lines loaded non-temporally
+// where `Once`).
+template <int R, int S, bool Once>
 inline void tile(const Matmul& mm, int64_t m0, int64_t p0) {
   __m512 sums[R][S];
 #pragma GCC unroll 4
@@ -54,7 +59,11 @@ inline void tile(const Matmul& mm, int64_t m0, int64_t p0) {
   for (int64_t k = 0; k < mm.pairs; ++k) {
     __m512i lines[S];
 #pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) lines[s] = _mm512_loadu_si512(w + s * stride + k * kColumns);
+    for (int s = 0; s < S; ++s) {
+      const uint32_t* line = w + s * stride + k * kColumns;
+      // GCC 12 declares the intrinsic's pointer non-const
+      lines[s] = Once ? _mm512_stream_load_si512(const_cast<uint32_t*>(line)) : _mm512_loadu_si512(line);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i pair = _mm512_set1_epi32(static_cast<int>(x[r * mm.pairs + k]));
@@ -79,25 +88,33 @@ inline void tile(const Matmul& mm, int64_t m0, int64_t p0) {
   }
 }
 
-template <int R>
+template <int R, bool Once>
 inline void tiles(const Matmul& mm, int64_t m0, int64_t p0, int64_t streams) {
   switch (streams) {
-    case 4: tile<R, 4>(mm, m0, p0); break;
-    case 3: tile<R, 3>(mm, m0, p0); break;
-    case 2: tile<R, 2>(mm, m0, p0); break;
-    default: tile<R, 1>(mm, m0, p0); break;
+    case 4: tile<R, 4, Once>(mm, m0, p0); break;
+    case 3: tile<R, 3, Once>(mm, m0, p0); break;
+    case 2: tile<R, 2, Once>(mm, m0, p0); break;
+    default: tile<R, 1, Once>(mm, m0, p0); break;
   }
 }
 
 // Panels p0..p0+kStreams-1 (fewer at the end) for every row of x.
 __attribute__((noinline)) void panel_group(const Matmul& mm, int64_t p0) {
   const int64_t streams = std::min(kStreams, mm.panels - p0);
+  if (mm.once) {
+    switch (mm.M) {
+      case 4: tiles<4, true>(mm, 0, p0, streams); return;
+      case 3: tiles<3, true>(mm, 0, p0, streams); return;
+      case 2: tiles<2, true>(mm, 0, p0, streams); return;
+      default: tiles<1, true>(mm, 0, p0, streams); return;
+    }
+  }
   for (int64_t m0 = 0; m0 < mm.M; m0 += kRows) {
     switch (std::min(kRows, mm.M - m0)) {
-      case 4: tiles<4>(mm, m0, p0, streams); break;
-      case 3: tiles<3>(mm, m0, p0, streams); break;
-      case 2: tiles<2>(mm, m0, p0, streams); break;
-      default: tiles<1>(mm, m0, p0, streams); break;
+      case 4: tiles<4, false>(mm, m0, p0, streams); break;
+      case 3: tiles<3, false>(mm, m0, p0, streams); break;
+      case 2: tiles<2, false>(mm, m0, p0, streams); break;
+      default: tiles<1, false>(mm, m0, p0, streams); break;
     }
   }
 }
@@ -126,10 +143,11 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, int64_
   auto sizes = input.sizes().vec();
   sizes.back() = n;
   at::Tensor out = at::empty(sizes, input.options());
-  const Matmul mm{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
+  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const Matmul mm{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), w,
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr,
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), pairs, x.size(0), n, panels};
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), pairs, x.size(0), n, panels,
+                  x.size(0) <= kRows && (reinterpret_cast<uintptr_t>(w) & 63) == 0};
   if (mm.M == 0) return out;
   inferkiln::for_each_unit((panels + kStreams - 1) / kStreams, [&](int64_t u) { panel_group(mm, u * kStreams); });
   return out;

@@ -287,6 +287,37 @@ def test_every_panel_is_computed_once_whatever_the_threads(threads):
         torch.set_num_threads(before)
 
 
+ALIGNMENT_CHECK = """
+import sys, torch
+from service import profiles
+from service.engine import cpu_gemm
+assert cpu_gemm.load()
+torch.manual_seed(9)
+kernels = [(torch.ops.inferkiln.linear_fp32, cpu_gemm.pack, torch.float32)]
+if "avx512_bf16" in profiles.cpu_flags():
+    kernels.append((torch.ops.inferkiln.linear_bf16, cpu_gemm.pack_bf16, torch.bfloat16))
+for op, pack, dtype in kernels:
+    for columns, inner in ((70, 96), (100, 33), (24, 768)):
+        weight, x = torch.randn(columns, inner).to(dtype), torch.randn(8, inner).to(dtype)
+        packed = pack(weight)
+        assert packed.data_ptr() % 64 == 0
+        shifted = torch.empty(packed.numel() + 1, dtype=dtype)[1:].view(packed.shape).copy_(packed)
+        for rows in (1, 3, 4, 5, 8):
+            assert torch.equal(op(x[:rows], packed, columns, None), op(x[:rows], shifted, columns, None)), (dtype, rows)
+"""
+
+
+@pytest.mark.parametrize("avx2", ["0", "1"])
+def test_weights_out_of_alignment_compute_the_same_floats(avx2):
+    """Where each line of W is read once, W's aligned lines are read with non-temporal loads (in
+    pairs of k where a k is not whole lines), the rest with plain loads: the same floats either way,
+    on the AVX-512 paths and on the AVX2 ones (INFERKILN_GEMM_AVX2=1), fp32 and bf16."""
+    if not panels_run_here():
+        pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
+    subprocess.run([sys.executable, "-c", ALIGNMENT_CHECK], check=True, timeout=300,
+                   env={**os.environ, "INFERKILN_GEMM_AVX2": avx2})
+
+
 def bf16_panels_run_here() -> bool:
     return "avx512_bf16" in profiles.cpu_flags() and cpu_gemm.load()
 
