@@ -98,24 +98,26 @@ inline void tiles(const Matmul& mm, int64_t m0, int64_t p0, int64_t streams) {
   }
 }
 
+// Every row of x against panels p0..p0+streams-1, in tiles of up to kRows rows.
+template <bool Once>
+inline void row_tiles(const Matmul& mm, int64_t p0, int64_t streams) {
+  for (int64_t m0 = 0; m0 < mm.M; m0 += kRows) {
+    switch (std::min(kRows, mm.M - m0)) {
+      case 4: tiles<4, Once>(mm, m0, p0, streams); break;
+      case 3: tiles<3, Once>(mm, m0, p0, streams); break;
+      case 2: tiles<2, Once>(mm, m0, p0, streams); break;
+      default: tiles<1, Once>(mm, m0, p0, streams); break;
+    }
+  }
+}
+
 // Panels p0..p0+kStreams-1 (fewer at the end) for every row of x.
 __attribute__((noinline)) void panel_group(const Matmul& mm, int64_t p0) {
   const int64_t streams = std::min(kStreams, mm.panels - p0);
   if (mm.once) {
-    switch (mm.M) {
-      case 4: tiles<4, true>(mm, 0, p0, streams); return;
-      case 3: tiles<3, true>(mm, 0, p0, streams); return;
-      case 2: tiles<2, true>(mm, 0, p0, streams); return;
-      default: tiles<1, true>(mm, 0, p0, streams); return;
-    }
-  }
-  for (int64_t m0 = 0; m0 < mm.M; m0 += kRows) {
-    switch (std::min(kRows, mm.M - m0)) {
-      case 4: tiles<4, false>(mm, m0, p0, streams); break;
-      case 3: tiles<3, false>(mm, m0, p0, streams); break;
-      case 2: tiles<2, false>(mm, m0, p0, streams); break;
-      default: tiles<1, false>(mm, m0, p0, streams); break;
-    }
+    row_tiles<true>(mm, p0, streams);
+  } else {
+    row_tiles<false>(mm, p0, streams);
   }
 }
 
