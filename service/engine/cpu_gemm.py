@@ -157,26 +157,26 @@ def load() -> bool:
     return _loaded
 
 
-def panels(weight: torch.Tensor, width: int, group: int) -> torch.Tensor:
+def panels(weight: torch.Tensor, width: int, group: int, arena: huge_pages.Arena | None = None) -> torch.Tensor:
     """W [N, K] as [ceil(N/width), ceil(K/group), width, group]: each panel's `width` columns side by
-    side for every group of k, on 2 MB pages where Linux offers them (service.engine.huge_pages);
-    zeros pad the last panel and the last group."""
+    side for every group of k, on 2 MB pages where Linux offers them (service.engine.huge_pages; in
+    `arena` beside the tensors before it); zeros pad the last panel and the last group."""
     rows, columns = weight.shape
     padded = F.pad(weight, (0, -columns % group, 0, -rows % width))
     count, groups = padded.shape[0] // width, padded.shape[1] // group
-    out = huge_pages.empty((count, groups, width, group), weight.dtype)
+    out = (arena or huge_pages).empty((count, groups, width, group), weight.dtype)
     return out.copy_(padded.view(count, width, groups, group).transpose(1, 2))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, arena: huge_pages.Arena | None = None) -> torch.Tensor:
     """fp32 W [N, K] as [ceil(N/24), K, 24], the panels linear_fp32 reads."""
-    return panels(weight, PANEL, 1).squeeze(3)
+    return panels(weight, PANEL, 1, arena).squeeze(3)
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+def pack_bf16(weight: torch.Tensor, arena: huge_pages.Arena | None = None) -> torch.Tensor:
     """bf16 W [N, K] as [ceil(N/16), ceil(K/2), 16, 2], the panels linear_bf16 reads: each pair of k
     of a panel one 64-byte line."""
-    return panels(weight, PANEL_BF16, 2)
+    return panels(weight, PANEL_BF16, 2, arena)
 
 
 def main() -> None:

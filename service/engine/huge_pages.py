@@ -46,15 +46,44 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return whole[start:start + size].view(dtype).view(shape)
 
 
+class Arena:
+    """Tensors laid side by side in shared 2 MB-page mappings (`empty`'s), 64-byte aligned: a model's
+    packed weights, so that nearly all of them lie on 2 MB pages, those under 2 MB included, and not
+    only each tensor's whole 2 MB pages. Each of the 76M shape's bf16 weights (1-7 MB) on a mapping
+    of its own left 100 of its 147 MiB on them, fp32's 260 of 294; in an arena all of them, and its
+    c=1 decode ran 1.01x as fast in the slow memory state and 1.03x in the fast one (2-core Zen 5
+    EPYC, alternating processes, 12 and 5 rounds; fp32 0.99x slow, 14). A mapping is CHUNK bytes, or one
+    tensor's where that is larger; Linux backs only what is written, so a mapping's unused end costs
+    at most the 2 MB page the last tensor ends in."""
+
+    CHUNK = 64 << 20
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.rest = torch.empty(0, dtype=torch.uint8)  # what the newest mapping has left
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(shape) * dtype.itemsize
+        if not offered():
+            return torch.empty(shape, dtype=dtype)
+        if size > self.rest.numel():
+            self.rest = empty((max(size, self.CHUNK),), torch.uint8)
+        piece = self.rest[:size]
+        self.rest = self.rest[-size % self.ALIGN + size:]
+        return piece.view(dtype).view(shape)
+
+
 def huge_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes on 2 MB pages now in the mappings that hold `tensors` (this process's smaps)."""
+    """Bytes of `tensors` on 2 MB pages now, from this process's smaps: in each mapping that holds
+    some, its 2 MB pages up to the bytes of `tensors` it holds (an arena's mapping may have pages
+    beside them)."""
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-    total, inside = 0, False
+    total, held = 0, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if not head.endswith(":"):  # a mapping's first line: its address range
             low, high = (int(part, 16) for part in head.split("-"))
-            inside = any(low < last and first < high for first, last in spans)
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
+            held = sum(max(0, min(high, last) - max(low, first)) for first, last in spans)
+        elif held and head == "AnonHugePages:":
+            total += min(held, int(line.split()[1]) * 1024)
     return total

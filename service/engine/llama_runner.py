@@ -82,8 +82,9 @@ class LlamaRunner:
             check_can_compile(device, dtype, dynamic)
         plain = [self._linears(layer, PLAIN) for layer in self.layers] if compile_decode else []
         pack = packed_layout(device, dtype) if pack_weights else PLAIN
-        self.linears = [self._linears(layer, pack) for layer in self.layers]
-        self.head = self._head(model, pack, keep=compile_decode)
+        arena = huge_pages.Arena()  # the packed weights side by side on 2 MB pages
+        self.linears = [self._linears(layer, pack, arena) for layer in self.layers]
+        self.head = self._head(model, pack, keep=compile_decode, arena=arena)
         self.rope_table = None if dynamic else self._rope_for(max_len)
         empty = torch.empty(0, device=device)
         self.graph = torch.jit.script(LlamaGraph(model, self.linears, self.keys, self.values, block_size,
@@ -93,7 +94,7 @@ class LlamaRunner:
         self.compiled = CompiledDecode(self, plain) if compile_decode else None
 
     @staticmethod
-    def _linears(layer, pack: int) -> dict[str, Linear]:
+    def _linears(layer, pack: int, arena: huge_pages.Arena | None = None) -> dict[str, Linear]:
         """One matmul for q/k/v and one for gate/up (as vLLM does): fewer ops in every step.
 
         Unpacked, the original modules' weights become views into the fused tensors, so no memory
@@ -111,7 +112,7 @@ class LlamaRunner:
                 if bias is not None:
                     m.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
                 start += rows
-            return Linear(weight, bias, pack, modules)
+            return Linear(weight, bias, pack, modules, arena)
 
         attention, mlp = layer.self_attn, layer.mlp
         return {"qkv": fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
@@ -119,7 +120,7 @@ class LlamaRunner:
                 "down": fuse([mlp.down_proj])}
 
     @staticmethod
-    def _head(model, pack: int, keep: bool) -> Linear:
+    def _head(model, pack: int, keep: bool, arena: huge_pages.Arena | None = None) -> Linear:
         """The LM head in panels where the layers are: F.linear runs MKL's GEMV, which read a 32000 x
         2048 fp32 head at 0.58x the panels' rate on the 2-core EPYC (17.2 against 9.9 ms a row); in
         bf16 F.linear read the 76M shape's weights at 0.51x the bf16 panels' rate (Zen 4). As
@@ -129,7 +130,7 @@ class LlamaRunner:
         head = model.lm_head
         if pack not in (PANELS, PANELS_BF16) or head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
             return Linear(head.weight, head.bias, PLAIN)
-        return Linear(head.weight, head.bias, pack, () if keep else (head,))
+        return Linear(head.weight, head.bias, pack, () if keep else (head,), arena)
 
     def matmul_kernels(self) -> str:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
@@ -265,16 +266,18 @@ class Linear:
     PACK_MIN_ELEMENTS.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: int, modules=()) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: int, modules=(),
+                 arena: huge_pages.Arena | None = None) -> None:
         """`pack`: the layout to pack into (packed_layout), or PLAIN. Panels take any size (the tiny
-        model's 8 matmuls ran 1.02-1.36x as fast as F.linear); oneDNN only PACK_MIN_ELEMENTS or more."""
+        model's 8 matmuls ran 1.02-1.36x as fast as F.linear); oneDNN only PACK_MIN_ELEMENTS or more.
+        `arena`: where panels go, beside the model's other weights (huge_pages.Arena)."""
         self.bias = bias
         self.columns = weight.shape[0]
         self.layout = PLAIN if pack == ONEDNN and weight.numel() < PACK_MIN_ELEMENTS else pack
         if self.layout == PANELS:
-            self.weight = cpu_gemm.pack(weight)
+            self.weight = cpu_gemm.pack(weight, arena)
         elif self.layout == PANELS_BF16:
-            self.weight = cpu_gemm.pack_bf16(weight)
+            self.weight = cpu_gemm.pack_bf16(weight, arena)
         elif self.layout == ONEDNN:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         else:
