@@ -60,11 +60,12 @@ class Arena:
     ALIGN = 64
 
     def __init__(self) -> None:
+        self.offered = offered()  # read once: a model's weights are a few hundred tensors
         self.rest = torch.empty(0, dtype=torch.uint8)  # what the newest mapping has left
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
-        if not offered():
+        if not self.offered:
             return torch.empty(shape, dtype=dtype)
         if size > self.rest.numel():
             self.rest = empty((max(size, self.CHUNK),), torch.uint8)
