@@ -3,7 +3,7 @@
 Every distribution a request can ask for either samples or raises `SamplingError` (the request's
 own fault, never the engine's): temperatures below `SAMPLING_EPS` are greedy (as in vLLM), top-p
 keeps at least the likeliest token however small p is, and a distribution left with no finite mass
-is refused rather than handed to `torch.multinomial`.
+is refused before anything is drawn.
 """
 
 from __future__ import annotations
@@ -30,36 +30,72 @@ def make_generator(params: SamplingParams, index: int, device: torch.device) -> 
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
-    """Apply bias and repetition penalties (OpenAI's definitions) to a [vocab] float32 row."""
+    """Apply bias and repetition penalties (OpenAI's definitions) to a [vocab] float32 row: a copy,
+    or the row itself where there are none."""
+    penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
+    if not params.logit_bias and not penalized:
+        return logits
     logits = logits.clone()
     for token_id, bias in params.logit_bias:
         logits[token_id] += bias
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
+    if penalized:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
     return logits
 
 
+NO_FINITE_MASS = "the sampling parameters leave no token with a finite probability"
+NUCLEUS_FIRST = 256  # the likeliest tokens top-p looks among first (`nucleus`)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(torch.argmax(logits))
+    probs, ids = probabilities(logits, params)
+    index = draw(probs, generator)
+    return index if ids is None else int(ids[index])
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution a sampled token is drawn from (temperature, top-k, then top-p): probabilities
+    and each one's token id (None: every token, in order)."""
     logits = logits.float()
     logits = (logits - logits.max()) / params.temperature  # <= 0 everywhere: no overflow at T near 0
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
-        drop[0] = False  # and the likeliest token always: a p below float32's range rounds to 0
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    total = float(probs.sum())
+    return nucleus(probs, params.top_p) if params.top_p < 1.0 else (probs, None)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of likeliest tokens whose mass reaches top_p (the likeliest always), as
+    probabilities, likeliest first, and their token ids: looked for among the likeliest
+    NUCLEUS_FIRST, then twice as many, until it lies within them. A nucleus is mostly far smaller
+    than the vocabulary, whose whole sort took 2.4 ms a sampled token at 32000 tokens and 11.7 ms
+    at 128256 (2-core EPYC)."""
+    count = min(NUCLEUS_FIRST, len(probs))
+    while True:
+        values, ids = torch.topk(probs, count)
+        cumulative = torch.cumsum(values, dim=-1)
+        if count == len(probs) or float(cumulative[-1]) >= top_p:  # the next token's mass before it reaches top_p
+            break
+        count = min(2 * count, len(probs))
+    drop = cumulative - values >= top_p  # keep the smallest set reaching top_p
+    drop[0] = False  # and the likeliest token always: a p below float32's range rounds to 0
+    return values.masked_fill(drop, 0.0), ids
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """The first token whose cumulative probability exceeds u times the total, u one uniform draw
+    of the generator in [0, 1): each token with the chance its probability gives it."""
+    cumulative = torch.cumsum(probs, 0, dtype=torch.float64)
+    total = float(cumulative[-1])
     if not math.isfinite(total) or total <= 0.0:
-        raise SamplingError("the sampling parameters leave no token with a finite probability")
-    return int(torch.multinomial(probs, 1, generator=generator))
+        raise SamplingError(NO_FINITE_MASS)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=probs.device))
+    token = int(torch.searchsorted(cumulative, u * total, right=True))
+    return token if token < len(probs) else int(probs.nonzero()[-1])  # u * total rounded up to the total
 
 
 def token_logprob(raw_logits: torch.Tensor, token_id: int, top_n: int, token_text) -> TokenLogprob:

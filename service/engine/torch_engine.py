@@ -68,12 +68,16 @@ def default_cpu_threads(parameters: int) -> int:
     return cores if parameters >= COMPUTE_BOUND_PARAMETERS and cores < SPARE_CORE_FROM else max(1, cores - 1)
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first: the row's argmax, shared by the step's rows."""
+    return params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty)
+
+
 def can_speculate(params: SamplingParams, grammar) -> bool:
     """N-gram drafts are checked against greedy choices, so only requests decoded greedily from the
     logits alone speculate: no penalties or biases (they change with every kept token), no
     logprobs, no grammar."""
-    return (params.greedy and params.logprobs is None and params.prompt_logprobs is None and grammar is None
-            and not (params.logit_bias or params.presence_penalty or params.frequency_penalty))
+    return plain_greedy(params) and params.logprobs is None and params.prompt_logprobs is None and grammar is None
 
 
 @dataclass(eq=False)
@@ -482,7 +486,8 @@ class TorchEngine(Engine):
         if constrained:
             logits = logits.clone()
             stuck = self._grammars.mask(logits, constrained)
-        greedy = logits.argmax(dim=-1).tolist()
+        argmax = [plain_greedy(seq.request.owner.params) for seq in seqs]
+        greedy = logits.argmax(dim=-1).tolist() if any(argmax) else []
         for row, seq in enumerate(seqs):
             state = seq.request.owner
             params, output = state.params, state.outputs[seq.index]
@@ -491,7 +496,7 @@ class TorchEngine(Engine):
             try:
                 if row in stuck:
                     raise SamplingError("the request's constraint admits no further token")
-                if params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
+                if argmax[row]:
                     token = greedy[row]
                 else:
                     token = sample_token(process_logits(logits[row], params, output.token_ids), params,

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from service.engine.base import SamplingError, SamplingParams
-from service.engine.sampling import make_generator, process_logits, sample_token, token_logprob
+from service.engine import sampling
+from service.engine.sampling import draw, make_generator, process_logits, sample_token, token_logprob
 from service.metrics import token_buckets
 
 
@@ -30,6 +31,22 @@ def test_top_k_and_top_p_restrict_the_support():
                             (SamplingParams(top_p=0.5), {0})):
         gen = make_generator(SamplingParams(seed=0), 0, logits.device)
         assert {sample_token(logits, params, gen) for _ in range(300)} == allowed
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_keeps_the_nucleus_a_sort_of_the_whole_vocabulary_gives(top_p):
+    """Looked for among the likeliest few first, the nucleus is the one the whole vocabulary's sort
+    gives: within the first look (peaked logits) and well beyond it (flat ones)."""
+    torch.manual_seed(0)
+    for logits in (torch.randn(3000) * 4, torch.randn(3000) * 0.2):
+        params = SamplingParams(top_p=top_p, temperature=0.7)
+        probs, ids = sampling.probabilities(logits, params)
+        kept = set(ids[probs > 0].tolist())
+        ranked, order = torch.sort(torch.softmax(logits / 0.7, -1), descending=True)
+        before = torch.cumsum(ranked, 0) - ranked
+        expected = set(order[before < top_p].tolist()) | {int(order[0])}
+        assert kept == expected
+        assert torch.allclose(probs.sum(), ranked[before < top_p].sum())
 
 
 def test_seeded_generators_repeat_and_choices_differ():
@@ -89,6 +106,26 @@ def test_logit_bias_masking_every_token_still_samples():
 
 def test_a_distribution_with_no_finite_mass_is_the_requests_error():
     gen = make_generator(SamplingParams(seed=0), 0, torch.device("cpu"))
-    for logits in (torch.full((4,), float("-inf")), torch.tensor([float("nan")] * 4)):
+    for logits in (torch.full((4,), float("-inf")), torch.tensor([float("nan")] * 4),
+                   torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf")])):
         with pytest.raises(SamplingError):
             sample_token(logits, SamplingParams(), gen)
+    state = gen.get_state()
+    with pytest.raises(SamplingError):
+        sample_token(torch.full((4,), float("-inf")), SamplingParams(), gen)
+    assert torch.equal(gen.get_state(), state)  # refused before drawing: the choice's next draws are as they were
+
+
+def test_a_draw_is_the_inverse_cdf_at_one_uniform_and_never_a_token_without_mass():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        u = float(torch.rand((), generator=torch.Generator().set_state(gen.get_state()), dtype=torch.float64))
+        assert draw(probs, gen) == (1 if u < 0.25 else 3)
+
+
+def test_penalty_free_logits_are_not_copied():
+    logits = torch.zeros(4)
+    assert process_logits(logits, SamplingParams(presence_penalty=1.0), []) is logits
+    assert process_logits(logits, SamplingParams(), [1, 2]) is logits
+    assert process_logits(logits, SamplingParams(frequency_penalty=1.0), [1]) is not logits
