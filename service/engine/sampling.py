@@ -78,7 +78,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
     while True:
         values, ids = torch.topk(probs, count)
         cumulative = torch.cumsum(values, dim=-1)
-        if count == len(probs) or float(cumulative[-1]) >= top_p:  # the next token's mass before it reaches top_p
+        if count == len(probs) or float(cumulative[-1]) >= top_p:  # the next token is dropped: the nucleus lies within
             break
         count = min(2 * count, len(probs))
     drop = cumulative - values >= top_p  # keep the smallest set reaching top_p

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from service.engine.base import SamplingError, SamplingParams
-from service.engine import sampling
-from service.engine.sampling import draw, make_generator, process_logits, sample_token, token_logprob
+from service.engine.sampling import (draw, make_generator, probabilities, process_logits, sample_token,
+                                     token_logprob)
 from service.metrics import token_buckets
 
 
@@ -40,7 +40,7 @@ def test_top_p_keeps_the_nucleus_a_sort_of_the_whole_vocabulary_gives(top_p):
     torch.manual_seed(0)
     for logits in (torch.randn(3000) * 4, torch.randn(3000) * 0.2):
         params = SamplingParams(top_p=top_p, temperature=0.7)
-        probs, ids = sampling.probabilities(logits, params)
+        probs, ids = probabilities(logits, params)
         kept = set(ids[probs > 0].tolist())
         ranked, order = torch.sort(torch.softmax(logits / 0.7, -1), descending=True)
         before = torch.cumsum(ranked, 0) - ranked
