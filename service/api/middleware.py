@@ -29,6 +29,23 @@ async def send_error(send, error: ServingError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class IdSend:
+    """The client's `send`, adding the request id to the response's headers. An app that sends
+    many messages after the start (a stream's events) may send them to `raw`, the client's own:
+    one call an event fewer."""
+
+    __slots__ = ("raw", "request_id", "status")
+
+    def __init__(self, raw, request_id: bytes) -> None:
+        self.raw, self.request_id, self.status = raw, request_id, 500
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, self.request_id)]
+        await self.raw(message)
+
+
 class RequestContextMiddleware:
     """Takes `X-Request-Id` (or makes one), echoes it, and logs one line per request with it."""
 
@@ -42,19 +59,11 @@ class RequestContextMiddleware:
         request_id = incoming if VALID_REQUEST_ID.match(incoming) else secrets.token_hex(16)  # uuid4's hex, 1 us less
         token = request_id_var.set(request_id)
         scope.setdefault("state", {})["request_id"] = request_id
-        start, status = time.perf_counter(), 500
-
-        async def send_with_id(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
-            await send(message)
-
+        start, send_with_id = time.perf_counter(), IdSend(send, request_id.encode())
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            usage = scope["state"].get("usage")
+            usage, status = scope["state"].get("usage"), send_with_id.status
             log.info("%s %s %s", scope["method"], scope["path"], status, extra={
                 "route": scope["path"], "method": scope["method"], "status": status,
                 "latency_ms": round((time.perf_counter() - start) * 1000, 2),

@@ -201,6 +201,36 @@ def test_after_the_first_output_each_event_until_the_last_is_a_tokens():
     assert _sample(rt, "time_per_output_token_seconds_count") == 1 and _sample(rt, "generation_tokens_total") == 2
 
 
+def test_a_stream_through_the_request_id_layer_gets_its_header_once_and_every_event(caplog):
+    from service.api.middleware import RequestContextMiddleware
+
+    # Starlette ends a stream with an empty body; one that ends on a token's event is over there, not
+    # aborted when the app returns (it has no usage: not counted, as an engine's 4xx).
+    for bodies, finished in (([ROLE, HI, HI, END, USAGE, DONE, b""], "length"), ([ROLE, HI, HI], None)):
+        rt, sent = _runtime(_engine(200, SSE, bodies)), []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def passthrough(scope, receive, send):
+            await Passthrough(rt, b"{}", generates=True, keep_usage=True)(scope, receive, send)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-length", b"2"), (b"x-request-id", b"req-1")]}
+        rt.admission.enter(bounded=False)
+        with caplog.at_level("INFO", logger="service.access"):
+            asyncio.run(RequestContextMiddleware(passthrough)(scope, receive, send))
+        assert [v for k, v in sent[0]["headers"] if k == b"x-request-id"] == [b"req-1"]
+        assert [m["body"] for m in sent[1:]] == bodies
+        assert (_sample(rt, "request_failure_total", reason="abort"), rt.admission.in_flight) == (0, 0)
+        assert _sample(rt, "request_success_total", finished_reason="length") == (1 if finished else 0)
+        assert _sample(rt, "time_per_output_token_seconds_count") == (2 if finished else 0)
+        assert caplog.records[-1].status == 200
+
+
 def test_a_client_that_leaves_mid_stream_is_an_abort():
     from starlette.requests import ClientDisconnect
 
