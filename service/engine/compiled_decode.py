@@ -12,7 +12,7 @@ What it costs: a C++ compiler in the image; C++ compiled at start-up, 70-100 s f
 on 2 cores when inductor's cache (TORCHINDUCTOR_CACHE_DIR) is cold, 10-30 s when warm; and
 inductor's copy of the weights (frozen, repacked) beside the packed one the graph runs. On AVX2 CPUs
 the graph's matmuls now run cpu_gemm's kernel, which reads one row nearly as fast as inductor's
-template: there the compiled step gains less (see the README's issue-29 section).
+template: there the compiled step gains less (see docs/engine-speed.md).
 
 The compiled step reads the KV cache and never writes it: written inside, inductor's functionalised
 in-place write copied the whole cache each step. The current token's key and value join the

@@ -15,8 +15,7 @@ stream (cpu_shares.h), with zmm registers where the CPU has AVX-512 (cpu_gemm.cp
 row_tile_avx512). Until 2026-12 threads took 4 adjacent panels at a time from one shared counter,
 prefetching each ahead: on a 2-core Zen 5 EPYC whose memory moves between about 35 and 60-70 GB/s,
 the shares read the 76M shape's 40 one-row matmuls 1.15-1.17x as fast in the fast state and
-0.97-1.00x in the slow one (medians of 18-26 rounds, alternating processes; the README's issue-29
-section).
+0.97-1.00x in the slow one (medians of 18-26 rounds, alternating processes; docs/engine-speed.md).
 
 bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-BF16's vdpbf16ps),
 chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5
@@ -110,7 +109,7 @@ def fp32_isa() -> str:
 
 def suits_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the bf16 panels (cpu_gemm_bf16.cpp) run here and were measured faster than oneDNN on
-    such a CPU: AMD's with AVX512-BF16 (see the README's "AVX-512 EPYCs"). Intel's with AMX keep
+    such a CPU: AMD's with AVX512-BF16 (see docs/engine-speed.md, "AVX-512 EPYCs"). Intel's with AMX keep
     oneDNN's AMX kernels, not compared."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and "avx512_bf16" in profiles.cpu_flags()
             and profiles.cpu_vendor() == "AuthenticAMD")
