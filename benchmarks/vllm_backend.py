@@ -6,7 +6,8 @@
     of one vllm-cpu image, both over the docker bridge. Output
     tok/s and TTFT p50 at concurrency 1, 8 and 32; the contract's cost is the ratio, taken pair by
     pair (runs back to back, the machine quiet before each, the order a Williams design over the
-    rounds: each door in each position, and right after each other door, equally often). On the
+    rounds: each door in each position, and right after each other door, equally often; the
+    containers started in one order for half the rounds, in the reverse order for the rest). On the
     tiny model (a 14 ms TTFT, where a fixed cost shows most) and on the ~76M model of (b). On the
     tiny model a second vLLM own server is in the rounds too (`--no-control` leaves it out): its
     ratios to the first are what two identical servers differ by here, the noise floor of the
@@ -123,36 +124,48 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
     shares it. `model_dir` is mounted in place of the image's weights (None: the image's own);
     `per_stream` requests a client in each run (more for a fast model, whose runs are short).
     `control`: a second vLLM's own server in the rounds, its ratios to the first reported beside
-    the runtime's: what two identical servers differ by on this machine, in the same run."""
-    runtime, _ = start(client, vllm_image, model_dir=model_dir)
-    servers = [runtime]
-    try:
-        own, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
-        servers.append(own)
-        doors = {"vllm_own": own.bridge_url(), "runtime": runtime.bridge_url()}
-        if control:
-            again, _ = start(client, vllm_image, model_dir=model_dir, starter=start_vllms_own_server)
-            servers.append(again)
-            doors[CONTROL] = again.bridge_url()
-        for url in doors.values():
-            measure(url)  # each once, unmeasured: the batch shapes are compiled
-        settle(servers)
-        one_by_one = asyncio.run(alternating_requests({k: doors[k] for k in ("vllm_own", "runtime")}, alternating,
-                                                      alternating_tokens))
-        pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
-        for round_ in range(rounds):
-            for level in LEVELS:
-                pairs[level].append({name: quiet_then(servers, lambda: measure(doors[name], (level,),
-                                                                               per_stream=per_stream)[level])
-                                     for name in round_order(list(doors), round_)})
-    finally:
-        for server in servers:
-            server.stop()
-    result = {"rounds": rounds, "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
+    the runtime's: what two identical servers differ by on this machine, in the same run.
+
+    The servers are started twice, for half the rounds each, the second time in the reverse order:
+    here the container started first ran slower (tiny model, the same image both doors: c=1 0.95x
+    the other in closed loops, c=32 TTFT p50 1.22x over the own server started after the runtime
+    and 1.08x started before it, 8 rounds each, 2026-12-05), which a single start order puts on
+    one door."""
+    names = ["runtime", "vllm_own", *([CONTROL] if control else [])]
+    pairs: dict[int, list[dict]] = {level: [] for level in LEVELS}
+    records: dict[str, list] = {"vllm_own": [], "runtime": []}
+    for half, (first, count) in enumerate(((0, rounds - rounds // 2), (rounds - rounds // 2, rounds // 2))):
+        if count == 0:
+            continue
+        order = names if half == 0 else names[::-1]
+        servers: dict[str, RunningModel] = {}
+        try:
+            for name in order:
+                starter = start_model if name == "runtime" else start_vllms_own_server
+                servers[name], _ = start(client, vllm_image, model_dir=model_dir, starter=starter)
+            doors = {name: servers[name].bridge_url() for name in names}
+            running = list(servers.values())
+            for url in doors.values():
+                measure(url)  # each once, unmeasured: the batch shapes are compiled
+            settle(running)
+            seen = asyncio.run(alternating_requests({k: doors[k] for k in records}, alternating * count // rounds,
+                                                    alternating_tokens))
+            for name, kept in seen.items():
+                records[name] += kept
+            for round_ in range(first, first + count):  # numbered on: the Williams design spans both halves
+                for level in LEVELS:
+                    pairs[level].append({name: quiet_then(running, lambda: measure(doors[name], (level,),
+                                                                                   per_stream=per_stream)[level])
+                                         for name in round_order(names, round_)})
+        finally:
+            for server in servers.values():
+                server.stop()
+    result = {"rounds": rounds, "start_orders": [names, names[::-1]],
+              "target": "c=8 and c=32: tok/s ratio >= 0.97 and TTFT p50 ratio <= 1.05",
               "runtime_over_vllm": {level: paired_ratios(runs) for level, runs in pairs.items()}}
     if control:
         result["control_over_vllm"] = {level: paired_ratios(runs, CONTROL) for level, runs in pairs.items()}
-    return result | {"alternating_requests_c1": one_by_one, "pairs": pairs}
+    return result | {"alternating_requests_c1": one_by_one(records), "pairs": pairs}
 
 
 def quiet_then(servers: list[RunningModel], run):
@@ -160,9 +173,10 @@ def quiet_then(servers: list[RunningModel], run):
     return run()
 
 
-async def alternating_requests(doors: dict[str, str], requests: int, output_tokens: int) -> dict:
+async def alternating_requests(doors: dict[str, str], requests: int, output_tokens: int) -> dict[str, list]:
     """Concurrency 1, consecutive requests alternating between the doors with the same prompts: both
-    see the machine in the same state, request by request. Medians of TTFT and inter-token latency.
+    see the machine in the same state, request by request. Each door's records of the requests
+    that succeeded (one_by_one takes their medians).
 
     Each request follows a pause of REQUEST_GAP_S: on 2 cores, vLLM (OpenMP-bound, its default)
     stalls a request that arrives within ~100 ms of the previous one's end by about 200 ms, through
@@ -178,6 +192,11 @@ async def alternating_requests(doors: dict[str, str], requests: int, output_toke
             record = await one_request(clients[name], settings, i // 2)
             if record.error is None:
                 seen[name].append(record)
+    return seen
+
+
+def one_by_one(seen: dict[str, list]) -> dict:
+    """Medians of TTFT and inter-token latency of alternating_requests' records, each door's."""
     def quantile(values: list[float], q: int) -> float:
         return round(statistics.quantiles(values, n=4)[q - 1] * 1000, 2)
 
