@@ -198,7 +198,6 @@ class Passthrough:
             return await receive()  # the client's disconnect reaches the engine, which aborts
 
         self.client, self.sending, self.status, self.held, self.settled = send, None, 200, [], False
-        self.tokens = False  # an event a token from now on: after a chat or completions stream's first output
         failure = "abort"  # the engine's app returned without a last event: its client went away
         try:
             await engine.app(inner, replay, self._send)
@@ -218,10 +217,11 @@ class Passthrough:
 
     async def _send(self, message) -> None:
         """The engine app's `send`, called once an event on the token path. A token's event (see
-        _events) is timed and sent on to the client's own `send`, below the request id's layer: 0.77
-        us of the API server's CPU an event, against 1.01 through _events and that layer
-        (benchmarks.passthrough_overhead, alternating, the same hour)."""
-        if self.tokens and message.get("more_body") and NOT_ENDING in message.get("body", b""):
+        _events) is timed and sent on to the client's own `send`, below the request id's layer:
+        0.80-0.83 us of the API server's CPU an event, against 1.04-1.06 through _events and that
+        layer (benchmarks.passthrough_overhead, 4 runs each, alternating, the same hour)."""
+        if self.token_per_event and self.observed.outputs and message.get("more_body") \
+                and NOT_ENDING in message.get("body", b""):  # after the first output, a token's event
             self.observed.outputs.append(perf_counter())
             return await self.client(message)
         if self.sending == "events" and message["type"] == "http.response.body":
@@ -256,14 +256,13 @@ class Passthrough:
         After the first output of a chat or completions stream, vLLM sends an event a token (its text
         held back or not) until the one that ends it, each with its choice's finish reason null: such
         an event is a token's, found by NOT_ENDING at a third of the cost of the regular expressions,
-        and _send takes it (`tokens`) before it comes here. Every other event (a chat stream's role
+        and _send takes it before it comes here. Every other event (a chat stream's role
         first, the last ones, all of a /v1/responses stream, whose events also tell of its items)
         carries output where OUTPUT finds it, and is parsed where MAY_END finds what may end the
         request. The usage a token's event may carry too (with `continuous_usage_stats`) is the final
         usage event's, later, to the same count."""
         if OUTPUT.search(data):
             self.observed.outputs.append(perf_counter())
-            self.tokens = self.token_per_event
         if not MAY_END.search(data):
             return data
         out = []
