@@ -11,7 +11,6 @@ collector, so each process counts what it served and the scrape sums them.
 from __future__ import annotations
 
 import bisect
-import collections
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -46,13 +45,21 @@ def observe_each(histogram: Histogram, amounts: list[float]) -> None:
     a 64-token stream's 63 gaps, observed one at a time, took 130-270 us of the serving thread on
     2 cores, most of what the contract adds to a request. prometheus_client has no batch observe;
     this writes the labelled child's values as its `observe` does (its `_upper_bounds`, `_buckets`
-    and `_sum`), and a test holds the exposition equal to observing one at a time."""
+    and `_sum`), and a test holds the exposition equal to observing one at a time. The amounts are
+    sorted and cut at each bound in turn, up to the largest's bucket (a stream's gaps mostly share
+    one or two): with the gaps' list and sum, 4.0-4.6 us for 63 gaps against 11.0 bisecting each
+    gap into the bounds."""
     if not amounts:
         return
-    bounds = histogram._upper_bounds  # ends with +Inf: every amount has a bucket
     histogram._sum.inc(sum(amounts))
-    for bucket, count in collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts).items():
-        histogram._buckets[bucket].inc(count)
+    ordered, counted = sorted(amounts), 0
+    for bucket, bound in enumerate(histogram._upper_bounds):  # ends with +Inf: every amount has a bucket
+        upto = bisect.bisect_right(ordered, bound, counted)  # the amounts at or below this bound
+        if upto > counted:
+            histogram._buckets[bucket].inc(upto - counted)
+            counted = upto
+            if counted == len(ordered):
+                return
 
 
 def observe_one(histogram: Histogram, amount: float) -> None:
