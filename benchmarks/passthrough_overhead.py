@@ -1,14 +1,15 @@
 """What the NIM contract adds, on the CPU of vLLM's API server process, to each request and each
 streamed event: the same stand-in engine app called directly and through the contract's layers
 (service.vllm_contract's path: request id and its JSON access log line, body limit, the passthrough's
-observing), in-process, with no network, so that only the contract's Python is timed. Writes
-results/passthrough_overhead.json.
+observing), in-process, with no network, so that only the contract's Python is timed: a long
+stream's events, short streams one after another, and streams of `--stream-tokens` events, the
+whole of what a request of that many tokens adds. Writes results/passthrough_overhead.json.
 
 The stand-in sends what vLLM's completions stream sends (one event per message, then the usage
 event the contract asked for, then [DONE]); vLLM's own per-event work is not in it, so the numbers
 are the contract's whole cost, to set beside vLLM's (benchmarks.vllm_backend measures both together).
 
-    python -m benchmarks.passthrough_overhead [--events 4000] [--requests 2000]
+    python -m benchmarks.passthrough_overhead [--events 4000] [--requests 2000] [--stream-tokens 64]
 """
 
 from __future__ import annotations
@@ -103,24 +104,28 @@ def seconds(app, requests: int, repeats: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=4000, help="events in the long stream")
-    parser.add_argument("--requests", type=int, default=2000, help="short streams (4 events) in a row")
+    parser.add_argument("--requests", type=int, default=2000, help="streams in a row, each timed whole")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="tokens' events of each stream of per_stream_us")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     # The access log line each request writes, as in the image (by the logging thread), to nowhere.
     with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 (for the process's life)
         configure_logging("INFO", jsonl=True)
     through, engine = contract()
-    engine.app = stand_in(args.events)
-    long_alone, long_through = seconds(engine.app, 1), seconds(through, 1)
-    engine.app = stand_in(1)
-    short_alone, short_through = seconds(engine.app, args.requests), seconds(through, args.requests)
-    result = {"per_event_us": {"engine_app_alone": round(long_alone / args.events * 1e6, 2),
-                               "through_the_contract": round(long_through / args.events * 1e6, 2),
-                               "added": round((long_through - long_alone) / args.events * 1e6, 2)},
-              "per_request_us": {"engine_app_alone": round(short_alone / args.requests * 1e6, 1),
-                                 "through_the_contract": round(short_through / args.requests * 1e6, 1),
-                                 "added": round((short_through - short_alone) / args.requests * 1e6, 1)},
-              "events": args.events, "requests": args.requests}
+
+    def added(events: int, requests: int, each: int, digits: int) -> dict[str, float]:
+        """Microseconds `requests` streams of `events` tokens' events took alone and through the
+        contract, divided by `each`."""
+        engine.app = stand_in(events)
+        alone, through_it = seconds(engine.app, requests), seconds(through, requests)
+        return {"engine_app_alone": round(alone / each * 1e6, digits),
+                "through_the_contract": round(through_it / each * 1e6, digits),
+                "added": round((through_it - alone) / each * 1e6, digits)}
+
+    result = {"per_event_us": added(args.events, 1, args.events, 2),
+              "per_request_us": added(1, args.requests, args.requests, 1),
+              "per_stream_us": added(args.stream_tokens, args.requests, args.requests, 1),
+              "events": args.events, "requests": args.requests, "stream_tokens": args.stream_tokens}
     print(json.dumps(result, indent=2))
     print(write_result("passthrough_overhead", result, args.out))
 
