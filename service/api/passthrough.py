@@ -221,9 +221,10 @@ class Passthrough:
         """The engine app's `send`, called once an event on the token path. A token's event (see
         _events) is timed and handed to the client's own `send`, below the request id's layer; this
         is no coroutine but returns the client's, which the engine's app awaits: one coroutine an
-        event fewer. NOT_ENDING is looked for from the end of the event, where vLLM writes the finish
-        reason (`rfind`: 80 ns against 235 for `in` on a completions event). With both, 0.42-0.43 us of the
-        API server's CPU an event against 0.78-0.81 (benchmarks.passthrough_overhead, 3 runs each, alternating)."""
+        event fewer. NOT_ENDING is looked for from the end of the event, where vLLM writes the
+        finish reason (`rfind`: 80 ns against 235 for `in` on a completions event). With both,
+        0.42-0.43 us of the API server's CPU an event against 0.78-0.81
+        (benchmarks.passthrough_overhead, 3 runs each, alternating)."""
         if self.token_per_event and (outputs := self.observed.outputs) and message.get("more_body") \
                 and message.get("body", b"").rfind(NOT_ENDING) >= 0:  # after the first output, a token's event
             outputs.append(perf_counter())
@@ -231,7 +232,7 @@ class Passthrough:
         return self._send_other(message)
 
     async def _send_other(self, message) -> None:
-        """Every message but a token's event: the headers, the events that are not a token's, a whole answer."""
+        """Every message but a token's event: the headers, the other events, a whole answer."""
         if self.sending == "events" and message["type"] == "http.response.body":
             if self.generates:
                 message["body"] = self._events(message.get("body", b""))
