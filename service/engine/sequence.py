@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
+        self.size = len(tokenizer)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -30,6 +31,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
+        if not 0 <= token_id < self.size:  # a padded row of the model's vocabulary: no text, as in vLLM
+            return ""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -58,7 +61,11 @@ class ByteLevelDetokenizer:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
-        return self.decoder.decode(self.table[token_id])
+        try:
+            piece = self.table[token_id]
+        except IndexError:  # a padded row of the model's vocabulary, past the tokenizer's: no text, as in vLLM
+            piece = b""
+        return self.decoder.decode(piece)
 
     def flush(self) -> str:
         return self.decoder.decode(b"", final=True)

@@ -180,7 +180,8 @@ class TorchEngine(Engine):
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos_ids)
-        self._token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
+        known = len(self.tokenizer)  # ids past it are padded rows of the logits: no text (vLLM's detokenizer too)
+        self._token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]) if i < known else "")
         self._detokenizer = detokenizer_factory(self.tokenizer)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

@@ -302,3 +302,52 @@ async def test_preempted_requests_finish_with_the_outputs_they_would_have_had(ti
         assert engine.scheduler.preemptions > 0
     finally:
         await engine.shutdown()
+
+
+def padded_vocabulary_copy(model_dir, out, extra: int = 64):
+    """The model with `extra` rows past its tokenizer's vocabulary, as many real models pad theirs
+    (Qwen2.5: 151936 rows for 151665 tokens). The rows are drawn wider than the trained ones, so that
+    sampling picks them often."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            rows = weights[name]
+            weights[name] = torch.cat([rows, torch.randn(extra, rows.shape[1], generator=generator) * 3 * rows.std()])
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] += extra
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+async def test_tokens_past_the_tokenizers_vocabulary_have_no_text_and_the_engine_lives_on(tiny_model_dir, tmp_path):
+    """A sampled id in the model's padded rows decodes to no text (as vLLM's detokenizer does), with
+    its logprob's token text too; it used to end the engine (an IndexError in the detokenizer's table)."""
+    engine = TorchEngine(padded_vocabulary_copy(tiny_model_dir, tmp_path / "padded"))
+    await engine.start()
+    try:
+        known = len(engine.tokenizer)
+        assert engine.vocab_size == known + 64
+        req = request(engine, "Hello", temperature=1.0, seed=0, max_tokens=64, ignore_eos=True, logprobs=1)
+        ids, text, shown = [], "", []
+        async for deltas in engine.generate(req):
+            for d in deltas:
+                ids += d.token_ids
+                text += d.text
+                shown += [(t.token_id, t.token) for lp in d.logprobs for t in (lp, *lp.top)]
+        padded = [i for i in ids if i >= known]
+        assert len(ids) == 64 and padded, "the seed's draws reach the padded rows"
+        assert text == engine.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=True)
+        assert all(token == "" for token_id, token in shown if token_id >= known)
+        after = await collect(engine, request(engine, PAIRS[0][0], temperature=0, max_tokens=4))
+        assert len(after[0]) == 4
+    finally:
+        await engine.shutdown()

@@ -22,6 +22,18 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, text, kind):
     assert all("\ufffd" not in d for d in deltas), "no half characters are emitted"
 
 
+@pytest.mark.parametrize("kind", ["general", "byte-level"])
+def test_ids_past_the_tokenizers_vocabulary_show_no_text(tokenizer, kind):
+    """A model may pad its vocabulary past the tokenizer's (its logits' rows): such an id is no text,
+    as in vLLM's detokenizer, and the text around it is as if it were not there."""
+    ids = tokenizer("naïve café", add_special_tokens=False)["input_ids"]
+    detok = (IncrementalDetokenizer(tokenizer, []) if kind == "general"
+             else ByteLevelDetokenizer(byte_level_table(tokenizer)))
+    padded = len(tokenizer)
+    deltas = [detok.add(i) for token_id in ids for i in (token_id, padded, padded + 63)] + [detok.flush()]
+    assert "".join(deltas) == "naïve café"
+
+
 def test_byte_level_table_matches_decode_for_every_token(tokenizer):
     table = byte_level_table(tokenizer)
     assert table is not None and len(table) == len(tokenizer)
