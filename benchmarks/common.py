@@ -160,15 +160,17 @@ LLAMA_76M = {"vocab_size": 640, "hidden_size": 768, "intermediate_size": 2304, "
              "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512}
 
 
-def make_76m_llama(out: Path) -> Path:
-    """A random-weights Llama of LLAMA_76M's shape with the tiny model's tokenizer."""
+def make_76m_llama(out: Path, vocab_size: int = LLAMA_76M["vocab_size"]) -> Path:
+    """A random-weights Llama of LLAMA_76M's shape with the tiny model's tokenizer; with a larger
+    `vocab_size`, the rows past the tokenizer's 640 tokens are padding (as real models pad theirs)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from factory.tinymodel import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_76M, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    config = LlamaConfig(**{**LLAMA_76M, "vocab_size": vocab_size}, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         torch_dtype="float32")
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny).save_pretrained(out)

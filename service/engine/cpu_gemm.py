@@ -24,6 +24,8 @@ against oneDNN's 8.1 ms at one row and 6.3 against 9.1 at 8.
 The same library holds the decoder layer's small ops, fused, for fp32 and bf16 (cpu_decoder.cpp:
 the norms, the residual adds, rotary positions with the cache writes, decode attention over the
 paged cache). The graph runs them where its matmuls run in panels (llama_graph.LlamaGraph.fused).
+And a sampled token's draw at a temperature alone (cpu_sampling.cpp; sampling.native_draw), on any
+x86 CPU with AVX2 and FMA whatever the matmuls run on.
 
 The library is C++ compiled with the image (INFERKILN_KERNEL_DIR, made by `python -m
 service.engine.cpu_gemm`), or on first use where a compiler is at hand (the cache below); with
@@ -49,8 +51,10 @@ from service.engine import huge_pages
 
 log = logging.getLogger(__name__)
 
-# the fp32 matmul, the decoder layer's small ops fused (cpu_decoder.cpp) and the bf16 matmul, in one library
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp"))
+# the fp32 matmul, the decoder layer's small ops fused (cpu_decoder.cpp), the bf16 matmul and the sampled
+# token's draw (cpu_sampling.cpp), in one library
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp", "cpu_sampling.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_shares.h"),)  # how the matmuls split their panels between threads
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
 PANEL_BF16 = 16  # output columns per bf16 panel (cpu_gemm_bf16.cpp's kColumns)
@@ -72,6 +76,7 @@ _LIBRARY.define("decode_layers(Tensor(a!) hidden, Tensor[] weights, int[] column
                 "Tensor written, Tensor rows, Tensor positions, int heads, float scale) -> Tensor")
 _LIBRARY.define("decode_inputs(int[] token_ids, int[] positions, int[] tables, int blocks, int block_size, "
                 "Tensor embed, Tensor cos_table, Tensor sin_table) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.define("sample_row(Tensor logits, float temperature, Generator? generator) -> int")
 _loaded: bool | None = None
 
 
@@ -145,13 +150,13 @@ def load() -> bool:
         path = library_path()
         try:
             if not path.exists():
-                log.info("compiling the AVX2 fp32 matmul kernel into %s (once per torch version)", path.parent)
+                log.info("compiling the C++ CPU kernels into %s (once per torch version)", path.parent)
                 build(path)
             torch.ops.load_library(str(path))
             _loaded = True
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or error
-            log.warning("the AVX2 fp32 matmul kernel is unavailable (%s); matmuls run on oneDNN", detail)
+            log.warning("the C++ CPU kernels are unavailable (%s); matmuls run on oneDNN, the rest on aten ops", detail)
             _loaded = False
     return _loaded
 

@@ -8,11 +8,13 @@ is refused before anything is drawn.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import torch
 
+from service.engine import cpu_gemm
 from service.engine.base import SamplingError, SamplingParams, TokenLogprob, TopLogprob
 
 
@@ -51,9 +53,22 @@ NUCLEUS_FIRST = 256  # the likeliest tokens top-p looks among first (`nucleus`)
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(torch.argmax(logits))
+    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and native_draw(logits.device):
+        token = torch.ops.inferkiln.sample_row(logits.float().contiguous(), params.temperature, generator)
+        if token < 0:
+            raise SamplingError(NO_FINITE_MASS)
+        return token
     probs, ids = probabilities(logits, params)
     index = draw(probs, generator)
     return index if ids is None else int(ids[index])
+
+
+@functools.cache
+def native_draw(device: torch.device) -> bool:
+    """Whether a temperature-only draw runs as one call (cpu_sampling.cpp's `sample_row`, the same
+    inverse CDF at the same uniform as `probabilities` and `draw`): on x86 CPUs with AVX2 and FMA
+    where the kernel library loads. Elsewhere, and with top-k or top-p, the aten ops below."""
+    return device.type == "cpu" and cpu_gemm.runs_here() and cpu_gemm.load()
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,7 +41,8 @@ from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
 from service.engine.ngram import NgramConfig
-from service.engine.sampling import make_generator, process_logits, sample_token, scored_tokens, token_logprob
+from service.engine.sampling import (make_generator, native_draw, process_logits, sample_token, scored_tokens,
+                                     token_logprob)
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
 from service.profiles import SPARE_CORE_FROM, cpu_cores
@@ -229,6 +230,8 @@ class TorchEngine(Engine):
         self.runner = LlamaRunner(self.model, self.pool.num_blocks, BLOCK_SIZE, self.max_model_len, pack_weights=True,
                                   lora=self.lora, compile_decode=self.compile_decode)
         log.info("matmuls: %s", self.runner.matmul_kernels())
+        log.info("sampled tokens: %s", "one call each (cpu_sampling.cpp) for temperature alone"
+                 if native_draw(self.device) else "aten ops")  # decided here, not at the first sampled token
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB at most, touched as used) on %s",
                  self.pool.num_blocks, BLOCK_SIZE, self.pool.num_blocks * self.runner.bytes_per_block / 2**20,
                  self.device)

@@ -3,10 +3,22 @@ import math
 import pytest
 import torch
 
+from service.engine import sampling
 from service.engine.base import SamplingError, SamplingParams
 from service.engine.sampling import (draw, make_generator, probabilities, process_logits, sample_token,
                                      token_logprob)
 from service.metrics import token_buckets
+
+
+@pytest.fixture(params=["native", "aten"])
+def draws(request, monkeypatch):
+    """sample_token's temperature-only draw both ways: one call to cpu_sampling.cpp where it runs
+    here, and the aten ops that run elsewhere (a GPU, a CPU without AVX2)."""
+    if request.param == "aten":
+        monkeypatch.setattr(sampling, "native_draw", lambda device: False)
+    elif not sampling.native_draw(torch.device("cpu")):
+        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    return request.param
 
 
 def test_greedy_is_argmax():
@@ -49,7 +61,7 @@ def test_top_p_keeps_the_nucleus_a_sort_of_the_whole_vocabulary_gives(top_p):
         assert torch.allclose(probs.sum(), ranked[before < top_p].sum())
 
 
-def test_seeded_generators_repeat_and_choices_differ():
+def test_seeded_generators_repeat_and_choices_differ(draws):
     logits = torch.zeros(1000)
     params = SamplingParams(seed=42)
 
@@ -60,7 +72,7 @@ def test_seeded_generators_repeat_and_choices_differ():
     assert draws(0) == draws(0) and draws(0) != draws(1)
 
 
-def test_sampling_matches_the_distribution():
+def test_sampling_matches_the_distribution(draws):
     probs = torch.tensor([0.7, 0.2, 0.1])
     gen = make_generator(SamplingParams(seed=1), 0, probs.device)
     counts = torch.bincount(torch.tensor([sample_token(torch.log(probs), SamplingParams(), gen)
@@ -81,7 +93,7 @@ def test_token_buckets_are_vllm_1_2_5_series():
     assert token_buckets(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
 
 
-def test_extreme_parameters_sample_or_refuse_never_crash():
+def test_extreme_parameters_sample_or_refuse_never_crash(draws):
     """Any value a request can send samples a token from the kept support, or raises SamplingError."""
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     gen = make_generator(SamplingParams(seed=0), 0, logits.device)
@@ -97,14 +109,14 @@ def test_tiny_temperatures_are_greedy():
     assert not SamplingParams(temperature=1e-4).greedy
 
 
-def test_logit_bias_masking_every_token_still_samples():
+def test_logit_bias_masking_every_token_still_samples(draws):
     params = SamplingParams(logit_bias=tuple((i, -100.0) for i in range(4)))
     gen = make_generator(SamplingParams(seed=0), 0, torch.device("cpu"))
     logits = process_logits(torch.tensor([1.0, 5.0, 2.0, 0.0]), params, [])
     assert sample_token(logits, SamplingParams(temperature=0.01), gen) == 1
 
 
-def test_a_distribution_with_no_finite_mass_is_the_requests_error():
+def test_a_distribution_with_no_finite_mass_is_the_requests_error(draws):
     gen = make_generator(SamplingParams(seed=0), 0, torch.device("cpu"))
     for logits in (torch.full((4,), float("-inf")), torch.tensor([float("nan")] * 4),
                    torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf")])):
@@ -129,3 +141,30 @@ def test_penalty_free_logits_are_not_copied():
     assert process_logits(logits, SamplingParams(presence_penalty=1.0), []) is logits
     assert process_logits(logits, SamplingParams(), [1, 2]) is logits
     assert process_logits(logits, SamplingParams(frequency_penalty=1.0), [1]) is not logits
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 63, 64, 65, 640, 32005])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.8, 1e-4, 50.0])
+def test_the_native_draw_is_the_inverse_cdf_at_the_generators_uniform(vocab, temperature):
+    """cpu_sampling.cpp's token is the aten ops' for the same uniform of the same generator, and the
+    generator moves on by that one draw: a seed's tokens are the same on either path."""
+    if not sampling.native_draw(torch.device("cpu")):
+        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    params = SamplingParams(temperature=temperature)
+    for scale in (0.1, 3.0, 20.0):
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
+        probs, _ = probabilities(logits, params)
+        native, aten = torch.Generator().manual_seed(vocab), torch.Generator().manual_seed(vocab)
+        for _ in range(40):
+            assert torch.ops.inferkiln.sample_row(logits, temperature, native) == draw(probs, aten)
+            assert torch.equal(native.get_state(), aten.get_state())
+
+
+def test_the_native_draw_never_picks_a_token_without_mass():
+    if not sampling.native_draw(torch.device("cpu")):
+        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    logits = torch.full((1000,), float("-inf"))
+    logits[[3, 500, 999]] = torch.tensor([0.0, 1.0, -2.0])
+    logits[[10, 700]] = -200.0  # e^-200 is below float's least normal: no mass either
+    gen = torch.Generator().manual_seed(0)
+    assert {torch.ops.inferkiln.sample_row(logits, 1.0, gen) for _ in range(3000)} == {3, 500, 999}

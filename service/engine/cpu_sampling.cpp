@@ -1,0 +1,143 @@
+// sample_row: one token drawn from softmax(logits / temperature), in one call, beside the matmuls
+// (cpu_gemm.cpp) in the same library.
+//
+// The draw is sampling.py's for the same distribution: one uniform u of the request's generator (the
+// value torch.rand((), dtype=float64) takes from it) and the first token whose running sum of
+// probabilities exceeds u times the total, the inverse CDF. Run as aten ops that was about ten calls
+// (max, subtract, divide, softmax, a float64 cumsum, the draw, searchsorted, three reads back), each
+// slowed by caches a decode step's weights had just emptied: 150 us a sampled token of the 76M shape
+// after its forward, against 20 us hot (docs/engine-speed.md). Here it is three passes over the row,
+// two of them vectorized, and nothing allocated.
+//
+// A row with no finite mass (a NaN, +inf, or every logit -inf) returns -1 before anything is drawn,
+// so the generator is as it was and the caller refuses the request (sampling.NO_FINITE_MASS).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/DistributionsHelper.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // tokens a partial sum covers: the draw's walk skips whole blocks
+constexpr float kLeast = -87.33654f;  // log of float's least normal: e^x below it counts as 0
+
+// e^x for x <= 0, 8 at a time: 2^n e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and Cephes' degree-6
+// polynomial for e^r (within 2 ulp of expf); 0 below kLeast and for NaN.
+inline __m256 exp8(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kLeast), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(kLeast));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(two_n)), keep);
+}
+
+inline float exp1(float x) { return x >= kLeast ? std::exp(x) : 0.0f; }
+
+// the largest logit, or NaN where any is NaN
+float row_max(const float* x, int64_t n) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    top = _mm256_max_ps(top, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = lanes[0];
+  for (int j = 1; j < 8; ++j) best = std::max(best, lanes[j]);
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+// e[i] = e^((x[i] - top) * scale); each block of kBlock tokens' sum into blocks (in double)
+void exponentials(const float* x, int64_t n, float top, float scale, float* e, double* blocks) {
+  const __m256 shift = _mm256_set1_ps(top), factor = _mm256_set1_ps(scale);
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    const int64_t end = std::min(n, start + kBlock);
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    int64_t i = start;
+    for (; i + 8 <= end; i += 8) {
+      const __m256 v = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift), factor));
+      _mm256_storeu_ps(e + i, v);
+      low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(low, high));
+    double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; i < end; ++i) {
+      e[i] = exp1((x[i] - top) * scale);
+      sum += e[i];
+    }
+    blocks[b] = sum;
+  }
+}
+
+// the first token whose running sum exceeds target: whole blocks skipped by their sums, the same sums
+// the total was added from, so a target below the total always lands in a block; within it, where
+// rounding keeps the running sum under the target, the block's last token with mass
+int64_t walk(const float* e, int64_t n, const double* blocks, int64_t count, double target) {
+  double before = 0.0;
+  int64_t b = 0;
+  while (b + 1 < count && before + blocks[b] <= target) before += blocks[b++];
+  const int64_t start = b * kBlock, end = std::min(n, start + kBlock);
+  int64_t last = -1;
+  for (int64_t i = start; i < end; ++i) {
+    if (e[i] > 0.0f) last = i;
+    before += e[i];
+    if (before > target && e[i] > 0.0f) return i;
+  }
+  return last;
+}
+
+int64_t sample_row(const at::Tensor& logits, double temperature, c10::optional<at::Generator> generator) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "sample_row takes one contiguous float32 row");
+  TORCH_CHECK(temperature > 0.0, "sample_row samples at a positive temperature");
+  const float* x = logits.data_ptr<float>();
+  const int64_t n = logits.numel();
+  const float top = row_max(x, n);
+  if (n == 0 || !std::isfinite(top)) return -1;  // NaN, +inf, or every logit -inf: nothing to draw from
+  const int64_t count = (n + kBlock - 1) / kBlock;
+  thread_local std::vector<float> e;
+  thread_local std::vector<double> blocks;
+  e.resize(n);
+  blocks.resize(count);
+  exponentials(x, n, top, static_cast<float>(1.0 / temperature), e.data(), blocks.data());
+  double total = 0.0;
+  for (int64_t b = 0; b < count; ++b) total += blocks[b];
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(generator, at::detail::getDefaultCPUGenerator());
+  double u;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    u = at::uniform_real_distribution<double>(0.0, 1.0)(gen);  // torch.rand((), dtype=float64)'s draw
+  }
+  return walk(e.data(), n, blocks.data(), count, u * total);
+}
+
+}  // namespace
+
+// The schema is defined in cpu_gemm.py, as linear_fp32's is.
+TORCH_LIBRARY_IMPL(inferkiln, CPU, m) { m.impl("sample_row", &sample_row); }
