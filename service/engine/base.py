@@ -116,7 +116,8 @@ class SamplingError(ValueError):
 
 
 class RequestTooLargeError(ValueError):
-    """The request can never be served (its KV cache, its sequences): 400, as a prompt over the context is."""
+    """The request can never be served (its KV cache, its sequences, a token id past the model's
+    embedding rows): 400, as a prompt over the context is."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

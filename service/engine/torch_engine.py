@@ -35,7 +35,8 @@ import torch
 
 from service.adapters import Adapter, AdapterError, ModelShape
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
-                                 SamplingError, SamplingParams, SpecDecodeCounts, TokenLogprob, join_deltas)
+                                 RequestTooLargeError, SamplingError, SamplingParams, SpecDecodeCounts, TokenLogprob,
+                                 join_deltas)
 from service.engine.grammar import Constraint, GrammarCompiler
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
@@ -267,6 +268,9 @@ class TorchEngine(Engine):
         if request.adapter and not self.lora:
             raise EngineError("this engine serves no LoRA adapters (NIM_PEFT_SOURCE)")
         params, prompt = request.params, request.prompt_token_ids
+        if prompt and max(prompt) >= self.vocab_size:  # a tokenizer may know more ids than the model has rows
+            raise RequestTooLargeError(f"prompt token id {max(prompt)} is past this model's vocabulary of "
+                                       f"{self.vocab_size} embedding rows")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
         # KV computed with one adapter is never another's: each adapter's prefix cache is its own
         root = hash((request.adapter.name, request.adapter.version)) if request.adapter else 0

@@ -351,3 +351,30 @@ async def test_tokens_past_the_tokenizers_vocabulary_have_no_text_and_the_engine
         assert len(after[0]) == 4
     finally:
         await engine.shutdown()
+
+
+async def test_a_prompt_id_past_the_models_embedding_rows_is_refused_and_the_engine_lives_on(tiny_model_dir, tmp_path):
+    """A tokenizer may know ids the model has no embedding row for (tokens added and the embeddings
+    not resized). Such a prompt is a 400 before it is queued; three of them in a row used to fail
+    three forward passes, which the engine takes for a broken device, and end it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "short")
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:600].clone()
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 600}))
+    engine = TorchEngine(model)
+    await engine.start()
+    try:
+        for i in range(4):
+            with pytest.raises(RequestTooLargeError, match="past this model's vocabulary of 600"):
+                engine.generate(GenerationRequest(f"past{i}", [5, 6, 620], SamplingParams(max_tokens=3)))
+        assert engine.ready
+        assert len((await collect(engine, GenerationRequest("within", [5, 6, 599], SamplingParams(max_tokens=3))))[0]) == 3
+    finally:
+        await engine.shutdown()
