@@ -7,7 +7,7 @@
 // (max, subtract, divide, softmax, a float64 cumsum, the draw, searchsorted, three reads back), each
 // slowed by caches a decode step's weights had just emptied: 150 us a sampled token of the 76M shape
 // after its forward, against 20 us hot (docs/engine-speed.md). Here it is three passes over the row,
-// two of them vectorized, and nothing allocated.
+// two of them vectorized, into buffers each thread keeps.
 //
 // A row with no finite mass (a NaN, +inf, or every logit -inf) returns -1 before anything is drawn,
 // so the generator is as it was and the caller refuses the request (sampling.NO_FINITE_MASS).
@@ -97,7 +97,8 @@ void exponentials(const float* x, int64_t n, float top, float scale, float* e, d
 
 // the first token whose running sum exceeds target: whole blocks skipped by their sums, the same sums
 // the total was added from, so a target below the total always lands in a block; within it, where
-// rounding keeps the running sum under the target, the block's last token with mass
+// rounding keeps the running sum under the target, the block's last token with mass, and where u
+// times the total rounded up to the total (u = 1 - 2^-53), the row's last token with mass
 int64_t walk(const float* e, int64_t n, const double* blocks, int64_t count, double target) {
   double before = 0.0;
   int64_t b = 0;
@@ -108,6 +109,9 @@ int64_t walk(const float* e, int64_t n, const double* blocks, int64_t count, dou
     if (e[i] > 0.0f) last = i;
     before += e[i];
     if (before > target && e[i] > 0.0f) return i;
+  }
+  for (int64_t i = start - 1; last < 0 && i >= 0; --i) {
+    if (e[i] > 0.0f) last = i;
   }
   return last;
 }
