@@ -16,6 +16,7 @@ from service.api.serving import OpenAIServing
 from service.engine.base import Engine, EngineBase, PassthroughEngine
 from service.engine.lora import LoraLimits
 from service.engine.ngram import NgramConfig
+from service.generation_defaults import sampling_defaults
 from service.manifest import Manifest, Profile, default_manifest, load_manifest
 from service.metrics import ServiceMetrics
 from service.model_signature import Verification
@@ -72,7 +73,8 @@ class Runtime:
         self.metrics = ServiceMetrics(self.served_model_name, self.engine.max_model_len, self.engine.stats,
                                       shared=isinstance(self.engine, PassthroughEngine))
         self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
-                                      self.admission, self.adapters, self.settings.tool_call_parser)
+                                      self.admission, self.adapters, self.settings.tool_call_parser,
+                                      sampling_defaults(self.model_dir))
                         if isinstance(self.engine, Engine) else None)
 
     @property

@@ -89,11 +89,19 @@ class SSEStream:
         return self.job.usage
 
 
+# The sampling fields' values where neither the request nor the model's generation config sets them
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission,
-                 adapters: AdapterRegistry | None = None, tool_call_parser: str | None = None) -> None:
+                 adapters: AdapterRegistry | None = None, tool_call_parser: str | None = None,
+                 defaults: dict[str, float | int] | None = None) -> None:
+        """`defaults`: the sampling fields' values where a request leaves them unset (the model's
+        generation config: service.generation_defaults)."""
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
         self.admission, self.adapters, self.tool_call_parser = admission, adapters, tool_call_parser
+        self.defaults = defaults or {}
         self._encode = prompt_encoder(tokenizer)
 
     # -- chat ------------------------------------------------------------------------------
@@ -418,12 +426,16 @@ class OpenAIServing:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
+        sent = {name: getattr(req, name) for name in req.model_fields_set if getattr(req, name) is not None}
+        chosen = {**NEUTRAL, **self.defaults, **sent}  # the request's, else the model's (generation config), else neutral
+        if max_tokens is None:
+            max_tokens = min(self.defaults.get("max_tokens", limit), limit - longest)
         return SamplingParams(
-            n=req.n, max_tokens=max_tokens if max_tokens is not None else limit - longest,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+            n=req.n, max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+            top_k=max(chosen["top_k"], 0), seed=req.seed,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
+            frequency_penalty=chosen["frequency_penalty"],
             logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
