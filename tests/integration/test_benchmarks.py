@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from service.engine import sampling
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -59,6 +64,20 @@ def test_the_decode_matmuls_benchmark_checks_each_kernel_and_writes_its_result(t
             assert kernel[rows]["max_abs_error"] < 1e-4 and kernel[rows]["read_gb_s"] > 0, kernel
             assert kernel[rows]["sum_gb_s"] > 0, kernel
     assert result["machine"]["cpu"]["flags"] is not None and result["threads"] >= 1
+
+
+def test_the_sampling_benchmark_runs_both_ways_and_writes_its_result(tmp_path):
+    """One vocabulary, c=1, two rounds (about 20 s): the draw alone and the engine's step, each way."""
+    if not sampling.native_draw(torch.device("cpu")):
+        pytest.skip("the native draw needs x86 with AVX2 and FMA and the kernel library")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.sampling", "--rounds", "2", "--vocabularies", "640",
+                          "--concurrency", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "sampling.json").read_text())["vocabularies"]["640"]
+    for measure in (result["draw_us"]["hot"], result["draw_us"]["cold"], result["step_ms"]["c1"]):
+        assert measure["native"] > 0 and measure["aten"] > 0 and measure["native_over_aten"] > 0, result
+        assert measure["range"][0] <= measure["native_over_aten"] <= measure["range"][1], result
 
 
 def test_the_benchmarks_aiperf_driver_holds_its_concurrency_under_the_rate_cap(server, tiny_model_dir, tmp_path):
