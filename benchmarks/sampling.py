@@ -35,12 +35,12 @@ WAYS = ("native", "aten")
 STREAM_BYTES = 300_000_000  # about a 76M fp32 decode step's weights
 
 
+NATIVE = sampling.native_draw
+
+
 def way(name: str) -> None:
     """Draw the native way or the aten way from here on (the aten way is the one GPUs take)."""
     sampling.native_draw = NATIVE if name == "native" else (lambda device: False)
-
-
-NATIVE = sampling.native_draw
 
 
 def ratio_summary(native: list[float], aten: list[float], unit: float) -> dict:

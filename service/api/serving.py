@@ -426,8 +426,10 @@ class OpenAIServing:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
-        sent = {name: getattr(req, name) for name in req.model_fields_set if getattr(req, name) is not None}
-        chosen = {**NEUTRAL, **self.defaults, **sent}  # the request's, else the model's (generation config), else neutral
+        # each field the request's, else the model's (its generation config), else neutral
+        sent = {name: value for name in NEUTRAL.keys() & req.model_fields_set
+                if (value := getattr(req, name)) is not None}
+        chosen = {**NEUTRAL, **self.defaults, **sent}
         if max_tokens is None:
             max_tokens = min(self.defaults.get("max_tokens", limit), limit - longest)
         return SamplingParams(

@@ -304,10 +304,10 @@ async def test_preempted_requests_finish_with_the_outputs_they_would_have_had(ti
         await engine.shutdown()
 
 
-def padded_vocabulary_copy(model_dir, out, extra: int = 64):
-    """The model with `extra` rows past its tokenizer's vocabulary, as many real models pad theirs
-    (Qwen2.5: 151936 rows for 151665 tokens). The rows are drawn wider than the trained ones, so that
-    sampling picks them often."""
+def with_vocabulary_rows(model_dir, out, rows: int):
+    """A copy of the model with `rows` vocabulary rows. Past its tokenizer's, padding as many real
+    models have (Qwen2.5: 151936 rows for 151665 tokens), drawn wider than the trained rows so that
+    sampling picks them often; short of it, a tokenizer given tokens the model was not resized for."""
     import json
     import shutil
 
@@ -319,19 +319,19 @@ def padded_vocabulary_copy(model_dir, out, extra: int = 64):
     generator = torch.Generator().manual_seed(0)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in weights:
-            rows = weights[name]
-            weights[name] = torch.cat([rows, torch.randn(extra, rows.shape[1], generator=generator) * 3 * rows.std()])
+            kept = weights[name][:rows]
+            extra = torch.randn(rows - len(kept), kept.shape[1], generator=generator) * 3 * kept.std()
+            weights[name] = torch.cat([kept, extra])
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["vocab_size"] += extra
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
     return out
 
 
 async def test_tokens_past_the_tokenizers_vocabulary_have_no_text_and_the_engine_lives_on(tiny_model_dir, tmp_path):
     """A sampled id in the model's padded rows decodes to no text (as vLLM's detokenizer does), with
     its logprob's token text too; it used to end the engine (an IndexError in the detokenizer's table)."""
-    engine = TorchEngine(padded_vocabulary_copy(tiny_model_dir, tmp_path / "padded"))
+    engine = TorchEngine(with_vocabulary_rows(tiny_model_dir, tmp_path / "padded", 640 + 64))
     await engine.start()
     try:
         known = len(engine.tokenizer)
@@ -357,24 +357,14 @@ async def test_a_prompt_id_past_the_models_embedding_rows_is_refused_and_the_eng
     """A tokenizer may know ids the model has no embedding row for (tokens added and the embeddings
     not resized). Such a prompt is a 400 before it is queued; three of them in a row used to fail
     three forward passes, which the engine takes for a broken device, and end it."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    model = shutil.copytree(tiny_model_dir, tmp_path / "short")
-    weights = load_file(model / "model.safetensors")
-    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:600].clone()
-    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 600}))
-    engine = TorchEngine(model)
+    engine = TorchEngine(with_vocabulary_rows(tiny_model_dir, tmp_path / "short", 600))
     await engine.start()
     try:
         for i in range(4):
             with pytest.raises(RequestTooLargeError, match="past this model's vocabulary of 600"):
                 engine.generate(GenerationRequest(f"past{i}", [5, 6, 620], SamplingParams(max_tokens=3)))
         assert engine.ready
-        assert len((await collect(engine, GenerationRequest("within", [5, 6, 599], SamplingParams(max_tokens=3))))[0]) == 3
+        within = await collect(engine, GenerationRequest("within", [5, 6, 599], SamplingParams(max_tokens=3)))
+        assert len(within[0]) == 3
     finally:
         await engine.shutdown()

@@ -10,14 +10,19 @@ from service.engine.sampling import (draw, make_generator, probabilities, proces
 from service.metrics import token_buckets
 
 
+def needs_the_native_draw() -> None:
+    if not sampling.native_draw(torch.device("cpu")):
+        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+
+
 @pytest.fixture(params=["native", "aten"])
 def draws(request, monkeypatch):
     """sample_token's temperature-only draw both ways: one call to cpu_sampling.cpp where it runs
     here, and the aten ops that run elsewhere (a GPU, a CPU without AVX2)."""
     if request.param == "aten":
         monkeypatch.setattr(sampling, "native_draw", lambda device: False)
-    elif not sampling.native_draw(torch.device("cpu")):
-        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    else:
+        needs_the_native_draw()
     return request.param
 
 
@@ -148,8 +153,7 @@ def test_penalty_free_logits_are_not_copied():
 def test_the_native_draw_is_the_inverse_cdf_at_the_generators_uniform(vocab, temperature):
     """cpu_sampling.cpp's token is the aten ops' for the same uniform of the same generator, and the
     generator moves on by that one draw: a seed's tokens are the same on either path."""
-    if not sampling.native_draw(torch.device("cpu")):
-        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    needs_the_native_draw()
     params = SamplingParams(temperature=temperature)
     for scale in (0.1, 3.0, 20.0):
         logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
@@ -161,8 +165,7 @@ def test_the_native_draw_is_the_inverse_cdf_at_the_generators_uniform(vocab, tem
 
 
 def test_the_native_draw_never_picks_a_token_without_mass():
-    if not sampling.native_draw(torch.device("cpu")):
-        pytest.skip("the kernel library does not run on this CPU (x86 with AVX2 and FMA) or did not load")
+    needs_the_native_draw()
     logits = torch.full((1000,), float("-inf"))
     logits[[3, 500, 999]] = torch.tensor([0.0, 1.0, -2.0])
     logits[[10, 700]] = -200.0  # e^-200 is below float's least normal: no mass either
