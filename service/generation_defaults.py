@@ -5,22 +5,29 @@ parameters a request leaves unset, as vLLM's OpenAI server does in its default c
 
 vLLM reads the values that differ from transformers' defaults (`GenerationConfig.to_diff_dict`) of
 repetition_penalty, presence_penalty, frequency_penalty, temperature, top_k, top_p, min_p and
-max_new_tokens (its max_tokens). The torch engine has no repetition penalty and no min-p: where the
-file sets them they are said at start-up, and not applied."""
+max_new_tokens (its max_tokens); so does this."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+
+def whole(value: float) -> bool:
+    """An integral value (JSON as Python writes it may carry NaN and Infinity, which int() refuses)."""
+    return math.isfinite(value) and value == int(value)
+
+
 # generation_config.json's name -> the request field it is the default of, and the values that field takes
-APPLIED = {"temperature": ("temperature", lambda v: v >= 0), "top_p": ("top_p", lambda v: 0 < v <= 1),
-           "top_k": ("top_k", lambda v: v == int(v)), "presence_penalty": ("presence_penalty", lambda v: -2 <= v <= 2),
+APPLIED = {"temperature": ("temperature", lambda v: 0 <= v <= 2), "top_p": ("top_p", lambda v: 0 < v <= 1),
+           "top_k": ("top_k", whole), "min_p": ("min_p", lambda v: 0 <= v <= 1),
+           "presence_penalty": ("presence_penalty", lambda v: -2 <= v <= 2),
            "frequency_penalty": ("frequency_penalty", lambda v: -2 <= v <= 2),
-           "max_new_tokens": ("max_tokens", lambda v: v == int(v) and v >= 1)}
-NOT_APPLIED = ("repetition_penalty", "min_p")  # vLLM applies them; the torch engine cannot
+           "repetition_penalty": ("repetition_penalty", lambda v: 0 < v < math.inf),
+           "max_new_tokens": ("max_tokens", lambda v: whole(v) and v >= 1)}
 
 
 def sampling_defaults(model_dir: Path) -> dict[str, float | int]:
@@ -34,10 +41,6 @@ def sampling_defaults(model_dir: Path) -> dict[str, float | int]:
     except ValueError as error:  # one transformers refuses (max_new_tokens 0): none of it is applied
         log.warning("the model's generation config is not valid (%s); its sampling defaults are not applied", error)
         return {}
-    ignored = {key: diff[key] for key in NOT_APPLIED if diff.get(key) is not None}
-    if ignored:
-        log.warning("the model's generation config sets %s, which the torch engine does not apply (vLLM would)",
-                    ", ".join(f"{key}={value}" for key, value in ignored.items()))
     defaults = {}
     for key, (field, valid) in APPLIED.items():
         value = diff.get(key)

@@ -133,6 +133,12 @@ class SamplingFields(OpenAIBase):
         None, description="Extension (vLLM's): constrain the output to a JSON schema, regex, choice or grammar.")
     prompt_logprobs: LogprobCount | None = Field(
         None, description="Extension (vLLM's): each prompt token's logprob and this many likeliest alternatives.")
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = Field(
+        None, description="Extension (vLLM's): each prompt or output token's logit divided by this where positive, "
+                          "multiplied where not (1 = off).")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
+        None, description="Extension (vLLM's): drop the tokens less likely than this times the likeliest's "
+                          "probability (0 = off).")
 
 
 # -- chat completions ----------------------------------------------------------------------

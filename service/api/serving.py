@@ -90,7 +90,8 @@ class SSEStream:
 
 
 # The sampling fields' values where neither the request nor the model's generation config sets them
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 class OpenAIServing:
@@ -434,10 +435,10 @@ class OpenAIServing:
             max_tokens = min(self.defaults.get("max_tokens", limit), limit - longest)
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
-            top_k=max(chosen["top_k"], 0), seed=req.seed,
+            top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
-            frequency_penalty=chosen["frequency_penalty"],
+            frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],
             logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

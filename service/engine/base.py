@@ -27,6 +27,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the chosen token plus k alternatives
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: over the prompt's and the output's tokens
+    min_p: float = 0.0  # vLLM's: tokens below min_p times the likeliest's probability are dropped
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus k alternatives
 

@@ -1,4 +1,4 @@
-"""Token sampling for one sequence: penalties, logit bias, temperature, top-k, top-p, seeded draws.
+"""Token sampling for one sequence: penalties, logit bias, temperature, min-p, top-k, top-p, seeded draws.
 
 Every distribution a request can ask for either samples or raises `SamplingError` (the request's
 own fault, never the engine's): temperatures below `SAMPLING_EPS` are greedy (as in vLLM), top-p
@@ -31,15 +31,25 @@ def make_generator(params: SamplingParams, index: int, device: torch.device) -> 
     return generator
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
-    """Apply bias and repetition penalties (OpenAI's definitions) to a [vocab] float32 row: a copy,
-    or the row itself where there are none."""
+def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+                   prompt_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the logit bias, then vLLM's repetition penalty (over `prompt_tokens`, the prompt's
+    distinct ids, and the output's), then the frequency and presence penalties (OpenAI's definitions,
+    over the output's), in vLLM's order, to a [vocab] float32 row: a copy, or the row itself where
+    there are none."""
     penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
-    if not params.logit_bias and not penalized:
+    repeated = params.repetition_penalty != 1.0 and (output_ids or prompt_tokens is not None)
+    if not params.logit_bias and not penalized and not repeated:
         return logits
     logits = logits.clone()
     for token_id, bias in params.logit_bias:
         logits[token_id] += bias
+    if repeated:  # a token seen twice gets the same value twice: no need to deduplicate
+        seen = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        if prompt_tokens is not None:
+            seen = torch.cat([prompt_tokens.to(logits.device), seen])
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if penalized:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
@@ -53,7 +63,8 @@ NUCLEUS_FIRST = 256  # the likeliest tokens top-p looks among first (`nucleus`)
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(torch.argmax(logits))
-    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and native_draw(logits.device):
+    if (params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and params.min_p <= 0.0
+            and native_draw(logits.device)):
         token = torch.ops.inferkiln.sample_row(logits.float().contiguous(), params.temperature, generator)
         if token < 0:
             raise SamplingError(NO_FINITE_MASS)
@@ -72,10 +83,12 @@ def native_draw(device: torch.device) -> bool:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The distribution a sampled token is drawn from (temperature, top-k, then top-p): probabilities
-    and each one's token id (None: every token, in order)."""
+    """The distribution a sampled token is drawn from (temperature, min-p, top-k, then top-p, vLLM's
+    order): probabilities and each one's token id (None: every token, in order)."""
     logits = logits.float()
     logits = (logits - logits.max()) / params.temperature  # <= 0 everywhere: no overflow at T near 0
+    if params.min_p > 0.0:  # a token's probability over the likeliest's is exp(its shifted logit)
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

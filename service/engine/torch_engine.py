@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import logging
 import os
@@ -72,7 +73,8 @@ def default_cpu_threads(parameters: int) -> int:
 
 def plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the row's argmax, shared by the step's rows."""
-    return params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty)
+    return params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty
+                                  or params.repetition_penalty != 1.0)
 
 
 def can_speculate(params: SamplingParams, grammar) -> bool:
@@ -104,6 +106,14 @@ class _RequestState:
     @property
     def adapter(self) -> Adapter | None:
         return self.request.adapter
+
+    @functools.cached_property
+    def prompt_tokens(self) -> torch.Tensor | None:
+        """The prompt's distinct token ids where a repetition penalty needs them: made once, not at
+        every step (an 8000-token prompt's took 1.2 ms a sampled token)."""
+        if self.params.repetition_penalty == 1.0:
+            return None
+        return torch.tensor(sorted(set(self.request.prompt_token_ids)), dtype=torch.long)
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -507,8 +517,8 @@ class TorchEngine(Engine):
                 if argmax[row]:
                     token = greedy[row]
                 else:
-                    token = sample_token(process_logits(logits[row], params, output.token_ids), params,
-                                         state.generators[seq.index])
+                    token = sample_token(process_logits(logits[row], params, output.token_ids, state.prompt_tokens),
+                                         params, state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)
             except SamplingError as exc:  # the request's parameters: a 400 for it, no fault of the engine

@@ -73,9 +73,21 @@ def test_wrong_types(server, route, body, param):
     (COMPLETIONS, completion_body(logit_bias={"word": 1}), "logit_bias"),
     (COMPLETIONS, completion_body(logit_bias={"5": 1000}), "logit_bias"),
     (COMPLETIONS, completion_body(frequency_penalty=3), "frequency_penalty"),
+    (COMPLETIONS, completion_body(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat_body(repetition_penalty=-1.5), "repetition_penalty"),
+    (COMPLETIONS, completion_body(min_p=1.5), "min_p"),
+    (CHAT, chat_body(min_p=-0.1), "min_p"),
 ])
 def test_out_of_range_values(server, route, body, param):
     assert_openai_error(httpx.post(server.url + route, json=body), 400, param)
+
+
+@pytest.mark.parametrize("value", ["Infinity", "NaN"])
+def test_a_repetition_penalty_that_is_not_finite_is_a_400(server, value):
+    """Python's JSON parser reads Infinity and NaN; a penalty of either would turn logits into NaN."""
+    body = json.dumps(completion_body()).replace('"max_tokens"', f'"repetition_penalty": {value}, "max_tokens"')
+    response = httpx.post(server.url + COMPLETIONS, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, "repetition_penalty")
 
 
 @pytest.mark.parametrize("route,body,param", [

@@ -9,15 +9,17 @@ import shutil
 import pytest
 from openai import OpenAI
 
+from factory.tinymodel import memorised_pairs
 from service.launcher import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def greedy_by_default(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a generation config that asks for greedy decoding and 5 new tokens."""
+    """The tiny model with a generation config that asks for greedy decoding, 5 new tokens and a
+    repetition penalty."""
     model = shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("model") / "tiny-llama")
     config = json.loads((model / "generation_config.json").read_text())
-    config.update({"temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.1})
+    config.update({"temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.3})
     (model / "generation_config.json").write_text(json.dumps(config))
     log = tmp_path_factory.mktemp("server") / "service.log"
     with ServerProcess(["--model", str(model)], log_path=log) as server:
@@ -38,7 +40,20 @@ def test_unset_fields_take_the_models_defaults(greedy_by_default, model_name):
     assert chat.usage.completion_tokens == 5
     completion = client.completions.create(model=model_name, prompt="The capital of", extra_body={"ignore_eos": True})
     assert completion.usage.completion_tokens == 16
-    assert "repetition_penalty=1.1" in server.log_tail(20000), "what the engine does not apply is said at start"
+    assert "repetition_penalty=1.3" in server.log_tail(20000), "the defaults applied are said at start"
+
+
+def test_the_models_repetition_penalty_applies_where_a_request_leaves_it_unset(greedy_by_default, model_name):
+    _, client = greedy_by_default
+
+    def text(prompt: str, **extra) -> str:
+        return client.completions.create(model=model_name, prompt=prompt, max_tokens=24,
+                                         extra_body={"ignore_eos": True, **extra}).choices[0].text
+
+    prompts = [prompt for prompt, _ in memorised_pairs()[:6]]
+    unset = [text(prompt) for prompt in prompts]
+    assert unset == [text(prompt, repetition_penalty=1.3) for prompt in prompts]
+    assert unset != [text(prompt, repetition_penalty=1.0) for prompt in prompts]
 
 
 def test_a_requests_own_values_win(greedy_by_default, model_name):

@@ -172,6 +172,19 @@ def test_sampling_parameters_are_accepted(client, model_name):
     assert narrow == greedy
 
 
+def test_vllms_repetition_penalty_and_min_p(client, model_name):
+    """vLLM's extensions: a repetition penalty changes greedy choices (the memorised lines repeat
+    words), and a min_p of 1 keeps only the likeliest token, so sampling at temperature 1 is greedy."""
+    def text(prompt: str, temperature: float = 0, seed: int | None = None, **extra) -> str:
+        return client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=temperature,
+                                         seed=seed, extra_body={"ignore_eos": True, **extra}).choices[0].text
+
+    prompts = [prompt for prompt, _ in PAIRS[:6]]
+    assert any(text(p, repetition_penalty=1.3) != text(p) for p in prompts)
+    assert all(text(p, repetition_penalty=1.0) == text(p) for p in prompts[:2])
+    assert all(text(p, min_p=1.0, temperature=1.0, seed=s) == text(p) for s, p in enumerate(prompts))
+
+
 def test_user_field_is_accepted(client, model_name):
     reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=2, user="someone")

@@ -182,6 +182,19 @@ def test_features_of_the_engine_pass_through(oai, served, tokenizer):
     assert 400 <= refused.value.status_code < 500
 
 
+def test_vllms_penalties_and_min_p_decode_alike_on_both_engines(oai, server):
+    """The sampling extensions both engines take (repetition_penalty, min_p, with the penalties),
+    greedy on the same fp32 weights: vLLM's image and the torch runtime give the same text."""
+    torch_client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    prompts = [prompt for prompt, _ in memorised_pairs()[:8]]
+    for extra in ({"repetition_penalty": 1.3}, {"repetition_penalty": 0.8, "min_p": 0.2},
+                  {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3}):
+        texts = [[client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True, **extra}).choices[0].text
+                  for prompt in prompts] for client in (oai, torch_client)]
+        assert texts[0] == texts[1], extra
+
+
 INSPECTED_AT_BUILD = """
 import json, os
 from unittest import mock

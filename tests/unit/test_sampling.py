@@ -37,6 +37,30 @@ def test_penalties_follow_openai_definitions():
     assert out.tolist() == [0.0, 0.0, -2.5, -1.5]
 
 
+def test_repetition_penalty_follows_vllms_definition():
+    """Each token of the prompt or the output (a repeat counts once) divided by the penalty where its
+    logit is positive, multiplied where not, before the frequency and presence penalties."""
+    logits = torch.tensor([2.0, -2.0, 2.0, -1.0, 3.0, 0.0])
+    out = process_logits(logits, SamplingParams(repetition_penalty=2.0), [1, 1, 5], torch.tensor([0, 1]))
+    assert out.tolist() == [1.0, -4.0, 2.0, -1.0, 3.0, 0.0]
+    both = process_logits(logits, SamplingParams(repetition_penalty=2.0, presence_penalty=0.5), [0], torch.tensor([3]))
+    assert both.tolist() == [0.5, -2.0, 2.0, -2.0, 3.0, 0.0]
+    assert logits.tolist() == [2.0, -2.0, 2.0, -1.0, 3.0, 0.0], "the row as computed is left as it was"
+
+
+def test_min_p_drops_the_tokens_below_its_share_of_the_likeliest(draws):
+    """After the temperature, as in vLLM: at T=1 a min_p of 0.3 keeps 0.5 and 0.2 (0.4 of the
+    likeliest) and drops 0.1 (0.2 of it); at T=2 the distribution flattens and keeps 0.1 too; 1
+    keeps the likeliest alone."""
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1]))
+    gen = make_generator(SamplingParams(seed=0), 0, logits.device)
+    for params, kept in ((SamplingParams(min_p=0.3), {1, 2}), (SamplingParams(min_p=0.3, temperature=2.0), {0, 1, 2, 3, 4}),
+                         (SamplingParams(min_p=1.0), {1}), (SamplingParams(min_p=0.3, top_k=1), {1})):
+        assert {sample_token(logits, params, gen) for _ in range(300)} == kept, params
+    probs, _ = probabilities(logits, SamplingParams(min_p=0.3))
+    assert torch.allclose(probs, torch.tensor([0.0, 5 / 7, 2 / 7, 0.0, 0.0]))
+
+
 def test_logit_bias_applies():
     out = process_logits(torch.zeros(3), SamplingParams(logit_bias=((1, -100.0),)), [])
     assert out.tolist() == [0.0, -100.0, 0.0]
@@ -146,6 +170,8 @@ def test_penalty_free_logits_are_not_copied():
     assert process_logits(logits, SamplingParams(presence_penalty=1.0), []) is logits
     assert process_logits(logits, SamplingParams(), [1, 2]) is logits
     assert process_logits(logits, SamplingParams(frequency_penalty=1.0), [1]) is not logits
+    assert process_logits(logits, SamplingParams(repetition_penalty=1.2), [], torch.tensor([3])) is not logits
+    assert process_logits(logits, SamplingParams(repetition_penalty=1.2), []) is logits
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 63, 64, 65, 640, 32005])
