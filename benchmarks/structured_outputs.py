@@ -1,12 +1,15 @@
 """Structured outputs' cost: inter-token latency with a JSON-schema constraint against without, at
 c=1 and c=8, in alternating rounds on one server; and what compiling a new 50-property schema adds
 to the first request that names it (TTFT with a new schema against the same schema again), with the
-grammar compiler's own time beside it. On the torch engine (the runtime in-process, tiny model) and
+grammar compiler's own time beside it; and how much a plain stream slows while other requests'
+grammars compile (`--hostile` requests at once, each a JSON schema with an enum of `--enum-values`
+new strings: about 2 s of xgrammar's time each at 20000 values on 2 cores, 30-40 s at 25000 six at
+once). On the torch engine (the runtime in-process, tiny model) and
 on vLLM's CPU build as its documentation starts it (default configuration, from a host Python that
 has it: --vllm-python), the same weights, the same requests. Writes results/structured_outputs.json.
 
     python -m benchmarks.structured_outputs [--model tiny|76m] [--rounds 3] [--requests 32]
-                                            [--vllm-python VENV/bin/python]
+                                            [--hostile 6] [--enum-values 10000] [--vllm-python VENV/bin/python]
 
 `--model 76m` runs the random-weights ~76M-parameter Llama of the engine benchmarks (the tiny
 model's tokenizer), whose decode step is long enough that a mask's fixed cost is a small part of it,
@@ -106,7 +109,31 @@ async def compile_cost(url: str, rounds: int) -> dict:
             "compile_ms_as_seen_by_the_client": round((statistics.median(cold) - statistics.median(warm)) * 1000, 2)}
 
 
-def measure(url: str, rounds: int, requests: int) -> dict:
+async def isolation(url: str, hostile: int, values: int) -> dict:
+    """A plain stream's inter-token latency while `hostile` requests wait for their grammars (each a
+    new enum of `values` strings), against the same stream alone just before; and how long the last
+    of those requests took."""
+    async with httpx.AsyncClient(timeout=1800) as client:
+        alone = [(await stream_one(client, url, body(False, i)))["itl_s"] for i in range(8)]
+        began = time.perf_counter()
+        requests = [{"model": MODEL, "prompt": "Pick one:", "max_tokens": 2, "temperature": 0,
+                     "structured_outputs": {"json": {"enum": [f"{os.getpid()}-{time.time_ns()}-{h}-{v}"
+                                                              for v in range(values)]}}} for h in range(hostile)]
+        pending = [asyncio.create_task(client.post(f"{url}/v1/completions", json=request)) for request in requests]
+        during = []
+        while not all(task.done() for task in pending):
+            during.append((await stream_one(client, url, body(False, len(during))))["itl_s"])
+        statuses = [reply.status_code for reply in await asyncio.gather(*pending)]
+        compiles_s = time.perf_counter() - began
+    alone_ms, during_ms = statistics.median(alone) * 1000, statistics.median(during) * 1000
+    return {"hostile_requests": hostile, "enum_values": values, "statuses": statuses,
+            "itl_alone_ms_p50": round(alone_ms, 2), "itl_during_compiles_ms_p50": round(during_ms, 2),
+            "itl_during_compiles_ms_p90": round(statistics.quantiles(during, n=10)[-1] * 1000, 2),
+            "during_over_alone": round(during_ms / alone_ms, 2), "streams_during": len(during),
+            "last_hostile_request_s": round(compiles_s, 1)}
+
+
+def measure(url: str, rounds: int, requests: int, hostile: int, values: int) -> dict:
     asyncio.run(level(url, True, 2, 4))  # warm both paths
     asyncio.run(level(url, False, 2, 4))
     out = {}
@@ -120,6 +147,9 @@ def measure(url: str, rounds: int, requests: int) -> dict:
             print(concurrency, json.dumps(paired[-1]))
         out[f"c{concurrency}"] = {"constrained_over_free_itl": spread([p["itl_ratio"] for p in paired]), "rounds": paired}
     out["compile"] = asyncio.run(compile_cost(url, rounds))
+    if hostile:
+        out["isolation"] = asyncio.run(isolation(url, hostile, values))
+        print("isolation", json.dumps(out["isolation"]))
     return out
 
 
@@ -139,10 +169,10 @@ def compiler_time(model: Path) -> dict:
     return {"compile_50_properties_ms_p50": round(statistics.median(times) * 1000, 2)}
 
 
-def on_vllm_host(python: str, model: Path, rounds: int, requests: int, log_dir: Path) -> dict:
+def on_vllm_host(python: str, model: Path, log_dir: Path, *measured) -> dict:
     """vLLM's own server as its documentation starts it (default configuration), on this host."""
     with vllm_on_host(python, model, MODEL, log_dir / "vllm-host.log") as server:
-        result = measure(server.url, rounds, requests)
+        result = measure(server.url, *measured)
     version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     return {"configuration": "vLLM's own server, default configuration (structured outputs backend auto: "
                              "xgrammar), on the host", "vllm": version.stdout.strip(), **result}
@@ -153,16 +183,19 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "76m"), default="tiny")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--hostile", type=int, default=6, help="requests whose grammars compile at once (0: skip)")
+    parser.add_argument("--enum-values", type=int, default=10000)
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--vllm-python", help="a Python with vLLM's CPU build: vLLM in its default configuration")
     args = parser.parse_args()
+    measured = (args.rounds, args.requests, args.hostile, args.enum_values)
     with tempfile.TemporaryDirectory() as tmp:
         model = ensure_tiny_model() if args.model == "tiny" else make_76m_llama(Path(tmp) / "llama-76m")
         with ServerProcess(["--model", str(model), "--served-model-name", MODEL],
                            log_path=Path(tmp) / "server.log") as server:
-            torch_result = measure(server.url, args.rounds, args.requests)
+            torch_result = measure(server.url, *measured)
         torch_result |= compiler_time(model)
-        vllm = on_vllm_host(args.vllm_python, model, args.rounds, args.requests, Path(tmp)) if args.vllm_python else None
+        vllm = on_vllm_host(args.vllm_python, model, Path(tmp), *measured) if args.vllm_python else None
     result = {"model": args.model, "vocab_size": Recipe().vocab_size, "schema": DIGITS, "free_tokens": FREE_TOKENS,
               "requests_per_level": args.requests, "torch": torch_result, "vllm_cpu_default": vllm}
     print(write_result("structured_outputs" + ("" if args.model == "tiny" else "_76m"), result, args.out))

@@ -209,11 +209,11 @@ class OpenAIServing:
         raise bad_request("structured_outputs.json_object: false constrains nothing", "structured_outputs")
 
     async def _compile(self, constraint: Constraint | None, param: str):
-        """The engine's grammar for the constraint, compiled on a worker thread; 400 when it cannot be."""
+        """The engine's grammar for the constraint, compiled off the event loop; 400 when it cannot be."""
         if constraint is None:
             return None
         try:
-            return await asyncio.to_thread(self.engine.compile_grammar, constraint)
+            return await self.engine.compile_grammar(constraint)
         except GrammarError as exc:
             raise bad_request(f"{param}: the constraint cannot be compiled: {exc}", param) from None
 

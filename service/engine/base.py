@@ -178,9 +178,9 @@ class Engine(EngineBase):
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
 
-    def compile_grammar(self, constraint) -> Any:
-        """A structured-output constraint compiled for `GenerationRequest.grammar`; blocking, so the
-        HTTP layer calls it on a worker thread. Raises GrammarError (a 400) for one it cannot compile."""
+    async def compile_grammar(self, constraint) -> Any:
+        """A structured-output constraint compiled for `GenerationRequest.grammar`, off the event loop.
+        Raises GrammarError (a 400) for one it cannot compile."""
         from service.engine.grammar import GrammarError
 
         raise GrammarError("this engine does not constrain its outputs")

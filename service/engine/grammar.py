@@ -7,22 +7,55 @@ before sampling, every constrained row of the batch has the tokens its grammar f
 -inf, in place, so constrained and free sequences decode in the same step; a row left with no token
 fails its request (a 400: the constraint is the client's). The grammar's end admits only the
 model's stop tokens, so a finished constraint ends the choice as a stop token does.
+
+Compiling runs on threads of its own (`compile_pool`) at a lower CPU priority than the engine: a
+JSON schema's enum of 25000 values takes xgrammar 30-40 s on 2 cores, and six such requests, compiled
+side by side on the event loop's default executor, made another client's stream 16x as slow for
+40 s (inter-token p50 185 against 11.7 ms, the 76M model on a 2-core EPYC). One compile at a time at
+nice 10: 1.08-1.38x (13.5-18.0 ms in two runs), a small schema's request 20 ms idle and 34 against
+28 ms with the engine busy.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
+import os
 import re
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+log = logging.getLogger(__name__)
+
 ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
-COMPILE_THREADS = 2
+COMPILE_THREADS = 2  # xgrammar's own threads for one grammar (they take the compiling thread's priority)
+COMPILE_NICE = 10  # the compiling threads' nice value: CPU the engine leaves idle, little of what it uses
 MAX_NESTING = 64  # levels of objects and arrays in a schema: deeper ones are refused before any recursion
 # xgrammar prefixes its messages with a timestamp and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def compile_pool(cores: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that compile grammars: as many as vLLM's structured-output manager takes (half
+    the cores, at least one), each lowered to COMPILE_NICE before its first compile."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, (cores + 1) // 2), thread_name_prefix="grammar",
+                                                 initializer=in_background)
+
+
+def in_background() -> None:
+    """Lower this thread's CPU priority to COMPILE_NICE (Linux's nice is per thread); never raise it."""
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, max(COMPILE_NICE, os.getpriority(os.PRIO_PROCESS, thread)))
+    except OSError as exc:  # a sandbox that forbids it: compiles keep the engine's priority
+        log.warning("grammar compiles run at the engine's CPU priority: %s", exc)
 
 
 class GrammarError(ValueError):

@@ -38,7 +38,7 @@ from service.adapters import Adapter, AdapterError, ModelShape
 from service.engine.base import (ChoiceDelta, Engine, EngineError, EngineStats, GenerationRequest,
                                  RequestTooLargeError, SamplingError, SamplingParams, SpecDecodeCounts, TokenLogprob,
                                  join_deltas)
-from service.engine.grammar import Constraint, GrammarCompiler
+from service.engine.grammar import Constraint, GrammarCompiler, compile_pool
 from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
@@ -197,8 +197,12 @@ class TorchEngine(Engine):
         self._detokenizer = detokenizer_factory(self.tokenizer)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        self._grammar_pool = compile_pool(cpu_cores())
 
-    def compile_grammar(self, constraint: Constraint):
+    async def compile_grammar(self, constraint: Constraint):
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._compile_grammar, constraint)
+
+    def _compile_grammar(self, constraint: Constraint):
         with self._grammars_lock:  # made on first use: requests without constraints never import xgrammar
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_ids))
@@ -266,6 +270,7 @@ class TorchEngine(Engine):
             for state in [*self._incoming, *self._states]:
                 state.aborted = True
             self._cond.notify_all()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread:
             await asyncio.to_thread(self._thread.join, 30)
 

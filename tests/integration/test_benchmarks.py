@@ -40,6 +40,19 @@ def test_the_http_overhead_benchmark_writes_its_result(tmp_path):
     assert result["settings"]["server_profile"] and result["settings"]["direct_device"] == "cpu", result["settings"]
 
 
+def test_the_structured_outputs_benchmark_writes_its_result(tmp_path):
+    """The torch runtime alone (vLLM is the user's --vllm-python), small counts (about 30 s)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.structured_outputs", "--rounds", "1", "--requests", "4",
+                          "--hostile", "2", "--enum-values", "300", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "structured_outputs.json").read_text())["torch"]
+    assert result["c1"]["constrained_over_free_itl"]["median"] > 0 and result["compile"]["ttft_new_schema_ms_p50"] > 0
+    isolation = result["isolation"]
+    assert isolation["statuses"] == [200, 200] and isolation["enum_values"] == 300, isolation
+    assert isolation["streams_during"] >= 1 and isolation["itl_during_compiles_ms_p50"] > 0, isolation
+
+
 def test_a_bad_levels_flag_is_a_usage_error_not_a_traceback():
     run = subprocess.run([sys.executable, "-m", "benchmarks.http_overhead", "--levels", "1,0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

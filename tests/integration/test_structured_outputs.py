@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Annotated, Literal
 
 import jsonschema
@@ -184,6 +185,28 @@ def test_unknown_named_tool_and_hostile_parameters_are_400(oai):
             oai.chat.completions.create(model=MODEL, messages=ask(0), tool_choice=choice, tools=[
                 {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}])
         assert error.value.body["param"] == "tools"
+
+
+def threads_nice(pid: int) -> dict[str, int]:
+    """Each thread of a process: its nice value (field 19 of /proc's stat), by thread id."""
+    niceness = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        niceness[task.name] = int(fields[16])
+    return niceness
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads threads' nice values from Linux's /proc")
+def test_grammars_compile_below_the_engines_priority(tools_server, oai):
+    """A schema's compile runs on a thread of its own at nice 10 (with xgrammar's threads, which it
+    starts); the process's other threads, the event loop's and the engine's, stay at its priority."""
+    schema = {"type": "object", "properties": {"priority_probe": {"enum": ["a", "b"]}}, "required": ["priority_probe"]}
+    reply = oai.chat.completions.create(model=MODEL, messages=ask(1), max_tokens=24, response_format={
+        "type": "json_schema", "json_schema": {"name": "probe", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content)["priority_probe"] in ("a", "b")
+    niceness = threads_nice(tools_server.proc.pid)
+    assert niceness[str(tools_server.proc.pid)] == 0, "the event loop's thread keeps the process's priority"
+    assert 10 in niceness.values() and list(niceness.values()).count(0) >= 3, niceness
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -4,13 +4,17 @@ on the tiny model's tokenizer)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
+import threading
 
 import pytest
 import torch
 
 from service.api.tool_calls import HermesParser, tool_constraint
-from service.engine.grammar import Constraint, GrammarCompiler, GrammarError, bounded_strings, choice_grammar
+from service.engine.grammar import (COMPILE_NICE, Constraint, GrammarCompiler, GrammarError, bounded_strings,
+                                   choice_grammar, compile_pool, in_background)
 
 TWO_CALLS = ('Sure. <tool_call>\n{"name": "book", "arguments": {"city": "Pa}ris", "n": {"a": [1, 2]}}}\n</tool_call>\n'
              '<tool_call>\n{"name": "pay", "arguments": {}}\n</tool_call> done')
@@ -131,3 +135,29 @@ def test_a_constraint_that_admits_nothing_is_refused_and_one_that_leads_nowhere_
     logits = torch.zeros(3, compiler.vocab_size)
     assert compiler.mask(logits, [(0, dead_end), (2, alive)]) == {0}
     assert not torch.isfinite(logits[0]).any() and torch.isfinite(logits[1]).all() and torch.isfinite(logits[2]).any()
+
+
+def own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_grammars_compile_on_half_the_cores_at_a_lower_priority_never_a_higher_one():
+    pool = compile_pool(cores=4)
+    try:
+        niceness = {pool.submit(own_nice).result() for _ in range(8)}
+        assert niceness == {max(COMPILE_NICE, os.getpriority(os.PRIO_PROCESS, 0))}
+        assert pool._max_workers == 2 and compile_pool(cores=1)._max_workers == 1
+    finally:
+        pool.shutdown()
+
+    def already_lower(seen: list) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
+        in_background()
+        seen.append(own_nice())
+
+    seen: list[int] = []
+    thread = threading.Thread(target=already_lower, args=(seen,))
+    thread.start()
+    thread.join()
+    assert seen == [15] and own_nice() < COMPILE_NICE, "only the compiling thread is lowered"
