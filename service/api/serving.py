@@ -442,9 +442,9 @@ class OpenAIServing:
             logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        result = []
+        result, vocab = [], len(self.tokenizer)
         for key, value in (bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < len(self.tokenizer):
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
                 raise bad_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
             if not -100 <= value <= 100:
                 raise bad_request("logit_bias values must be within [-100, 100]", "logit_bias")

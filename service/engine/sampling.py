@@ -31,19 +31,30 @@ def make_generator(params: SamplingParams, index: int, device: torch.device) -> 
     return generator
 
 
+def bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A request's logit bias as token ids and values, made once a request: added one entry at a time,
+    a bias of 100000 tokens (a real vocabulary's, in a 2 MiB body) took 0.5 s of every step."""
+    if not params.logit_bias:
+        return None
+    table = torch.tensor(params.logit_bias, dtype=torch.float64)  # token ids are exact in float64
+    return table[:, 0].long(), table[:, 1]
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-                   prompt_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """Apply the logit bias, then vLLM's repetition penalty (over `prompt_tokens`, the prompt's
-    distinct ids, and the output's), then the frequency and presence penalties (OpenAI's definitions,
-    over the output's), in vLLM's order, to a [vocab] float32 row: a copy, or the row itself where
-    there are none."""
+                   prompt_tokens: torch.Tensor | None = None,
+                   bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Apply the logit bias (`bias_tensors`, made here unless given), then vLLM's repetition penalty
+    (over `prompt_tokens`, the prompt's distinct ids, and the output's), then the frequency and
+    presence penalties (OpenAI's definitions, over the output's), in vLLM's order, to a [vocab]
+    float32 row: a copy, or the row itself where there are none."""
     penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
     repeated = params.repetition_penalty != 1.0 and (output_ids or prompt_tokens is not None)
     if not params.logit_bias and not penalized and not repeated:
         return logits
     logits = logits.clone()
-    for token_id, bias in params.logit_bias:
-        logits[token_id] += bias
+    if params.logit_bias:
+        ids, values = bias or bias_tensors(params)
+        logits.index_add_(0, ids.to(logits.device), values.to(logits.device, logits.dtype))
     if repeated:  # a token seen twice gets the same value twice: no need to deduplicate
         seen = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
         if prompt_tokens is not None:

@@ -43,7 +43,7 @@ from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
 from service.engine.ngram import NgramConfig
-from service.engine.sampling import (make_generator, native_draw, process_logits, sample_token, scored_tokens,
+from service.engine.sampling import (bias_tensors, make_generator, native_draw, process_logits, sample_token, scored_tokens,
                                      token_logprob)
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
@@ -114,6 +114,10 @@ class _RequestState:
         if self.params.repetition_penalty == 1.0:
             return None
         return torch.tensor(sorted(set(self.request.prompt_token_ids)), dtype=torch.long)
+
+    @functools.cached_property
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return bias_tensors(self.params)
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -522,8 +526,8 @@ class TorchEngine(Engine):
                 if argmax[row]:
                     token = greedy[row]
                 else:
-                    token = sample_token(process_logits(logits[row], params, output.token_ids, state.prompt_tokens),
-                                         params, state.generators[seq.index])
+                    adjusted = process_logits(logits[row], params, output.token_ids, state.prompt_tokens, state.bias)
+                    token = sample_token(adjusted, params, state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)
             except SamplingError as exc:  # the request's parameters: a 400 for it, no fault of the engine

@@ -5,7 +5,7 @@ import torch
 
 from service.engine import sampling
 from service.engine.base import SamplingError, SamplingParams
-from service.engine.sampling import (draw, make_generator, probabilities, process_logits, sample_token,
+from service.engine.sampling import (bias_tensors, draw, make_generator, probabilities, process_logits, sample_token,
                                      token_logprob)
 from service.metrics import token_buckets
 
@@ -64,6 +64,18 @@ def test_min_p_drops_the_tokens_below_its_share_of_the_likeliest(draws):
 def test_logit_bias_applies():
     out = process_logits(torch.zeros(3), SamplingParams(logit_bias=((1, -100.0),)), [])
     assert out.tolist() == [0.0, -100.0, 0.0]
+    twice = process_logits(torch.zeros(3), SamplingParams(logit_bias=((2, 1.5), (2, 1.0))), [])  # "2" and "02"
+    assert twice.tolist() == [0.0, 0.0, 2.5]
+
+
+def test_a_requests_logit_bias_is_made_once_and_applied_as_made():
+    """The engine keeps each request's bias as tensors (bias_tensors) and passes them at every step."""
+    params = SamplingParams(logit_bias=((2, 3.0), (0, -1.0)))
+    ids, values = bias_tensors(params)
+    assert ids.tolist() == [2, 0] and values.tolist() == [3.0, -1.0] and ids.dtype == torch.long
+    made = (torch.tensor([1]), torch.tensor([7.0]))
+    assert process_logits(torch.zeros(3), params, [], bias=made).tolist() == [0.0, 7.0, 0.0]
+    assert bias_tensors(SamplingParams()) is None
 
 
 def test_top_k_and_top_p_restrict_the_support():
