@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -150,6 +152,33 @@ def test_prompt_over_the_context(server, client):
     assert "512" in error["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": long_prompt}])
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_a_prompt_that_takes_seconds_to_encode_leaves_the_event_loop_free(server, tokenizer, route):
+    """Nearly 2 MiB of text, refused once encoded (far past the context): encoded on the event loop,
+    it held every stream and every probe of the server for seconds; it is encoded on a thread of its
+    own. Liveness, answered on the loop, must not wait half as long as the encoding takes here."""
+    text = " ".join(f"w{i % 9973}x" for i in range(300_000))
+    began = time.perf_counter()
+    tokenizer(text)
+    encoding_s = time.perf_counter() - began
+    body = chat_body(messages=[{"role": "user", "content": text}]) if route == CHAT else completion_body(prompt=text)
+
+    async def probed() -> tuple[list[float], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            refusal = asyncio.create_task(client.post(route, json=body))
+            waits = []
+            while not refusal.done():
+                sent = time.perf_counter()
+                assert (await client.get("/v1/health/live")).status_code == 200
+                waits.append(time.perf_counter() - sent)
+                await asyncio.sleep(0.02)
+            return waits, await refusal
+
+    waits, refused = asyncio.run(probed())
+    assert_openai_error(refused, 400, "messages" if route == CHAT else "prompt")
+    assert len(waits) > 5 and max(waits) < encoding_s / 2, (max(waits), len(waits), encoding_s)
 
 
 def test_prompt_plus_max_tokens_over_the_context(server):
