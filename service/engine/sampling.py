@@ -18,6 +18,8 @@ from service.engine import cpu_gemm
 from service.engine.base import SamplingError, SamplingParams, TokenLogprob, TopLogprob
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 # The least log-probability reported: a token a grammar forbids has -inf, which JSON cannot carry
 # (vLLM's OpenAI server writes the same floor).
 MIN_LOGPROB = -9999.0
@@ -60,7 +62,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
         if prompt_tokens is not None:
             seen = torch.cat([prompt_tokens.to(logits.device), seen])
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        scaled = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        # an extreme penalty saturates at float32's range rather than overflowing to inf, which would
+        # leave no finite distribution; a token a grammar forbids (-inf) stays forbidden
+        logits[seen] = torch.where(values.isfinite(), scaled.clamp(-FLOAT32_MAX, FLOAT32_MAX), values)
     if penalized:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty

@@ -555,8 +555,12 @@ class TorchEngine(Engine):
                 deltas[state].append(output.finish("stop"))
 
     def _fail(self, state: _RequestState, exc: Exception, deltas: dict) -> None:
-        """End one request with an error; the client learns what it can act on, the log the rest."""
-        log.error("generation failed for %s: %s", state.request.request_id, exc, exc_info=exc)
+        """End one request with an error; the client learns what it can act on, the log the rest (a
+        request's own parameters, a SamplingError, are its 400: no traceback)."""
+        if isinstance(exc, SamplingError):
+            log.info("request %s refused while sampling: %s", state.request.request_id, exc)
+        else:
+            log.error("generation failed for %s: %s", state.request.request_id, exc, exc_info=exc)
         deltas[state] += [out.finish("error") for out in state.outputs if not out.finished]
         state.error = exc if isinstance(exc, SamplingError) else EngineError("the engine failed to generate this request")
 

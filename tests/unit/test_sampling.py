@@ -48,6 +48,21 @@ def test_repetition_penalty_follows_vllms_definition():
     assert logits.tolist() == [2.0, -2.0, 2.0, -1.0, 3.0, 0.0], "the row as computed is left as it was"
 
 
+def test_an_extreme_repetition_penalty_saturates_and_still_samples(draws):
+    """A penalty a request may send (any positive float) divides a positive logit past float32's
+    range: it saturates there, so a draw still has a distribution (the penalised likeliest, as the
+    penalty's limit gives), and a token a grammar forbade stays at -inf."""
+    logits = torch.tensor([2.0, 1.0, float("-inf"), -3.0])
+    gen = make_generator(SamplingParams(seed=0), 0, logits.device)
+    tiny = SamplingParams(repetition_penalty=1e-300)
+    out = process_logits(logits, tiny, [], torch.tensor([0, 1, 2, 3]))
+    assert out.isfinite().tolist() == [True, True, False, True]
+    assert {sample_token(out, tiny, gen) for _ in range(50)} <= {0, 1}
+    huge = SamplingParams(repetition_penalty=1e300)
+    out = process_logits(logits, huge, [], torch.tensor([0, 1, 2, 3]))
+    assert out.isfinite().tolist() == [True, True, False, True] and sample_token(out, huge, gen) in (0, 1, 3)
+
+
 def test_min_p_drops_the_tokens_below_its_share_of_the_likeliest(draws):
     """After the temperature, as in vLLM: at T=1 a min_p of 0.3 keeps 0.5 and 0.2 (0.4 of the
     likeliest) and drops 0.1 (0.2 of it); at T=2 the distribution flattens and keeps 0.1 too; 1
