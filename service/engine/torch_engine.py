@@ -43,8 +43,8 @@ from service.engine.kv_blocks import BlockPool
 from service.engine.llama_runner import LlamaRunner
 from service.engine.lora import LoraLimits, LoraPool
 from service.engine.ngram import NgramConfig
-from service.engine.sampling import (bias_tensors, make_generator, native_draw, process_logits, sample_token, scored_tokens,
-                                     token_logprob)
+from service.engine.sampling import (bias_tensors, make_generator, native_draw, process_logits, sample_token,
+                                     scored_tokens, token_logprob)
 from service.engine.scheduler import Chunk, Request, Scheduler, Sequence, StepPlan
 from service.engine.sequence import SequenceOutput, detokenizer_factory
 from service.profiles import SPARE_CORE_FROM, cpu_cores
@@ -117,6 +117,7 @@ class _RequestState:
 
     @functools.cached_property
     def bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logit bias as tensors, made once (sampling.bias_tensors)."""
         return bias_tensors(self.params)
 
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
