@@ -36,6 +36,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before a token is chosen (sampling.process_logits)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -73,8 +73,7 @@ def default_cpu_threads(parameters: int) -> int:
 
 def plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the row's argmax, shared by the step's rows."""
-    return params.greedy and not (params.logit_bias or params.presence_penalty or params.frequency_penalty
-                                  or params.repetition_penalty != 1.0)
+    return params.greedy and not params.adjusts_logits
 
 
 def can_speculate(params: SamplingParams, grammar) -> bool:
