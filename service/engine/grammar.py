@@ -14,6 +14,12 @@ side by side on the event loop's default executor, made another client's stream 
 40 s (inter-token p50 185 against 11.7 ms, the 76M model on a 2-core EPYC). One compile at a time at
 nice 10: 1.08-1.38x (13.5-18.0 ms in two runs), a small schema's request 20 ms idle and 34 against
 28 ms with the engine busy.
+
+The width of what a grammar offers at one point is bounded (`MAX_ALTERNATIVES`, `MAX_RULES`):
+xgrammar 0.2.8's matcher takes time quadratic in it when it is made (holding the GIL, so every
+thread waits) and when it takes the first token (on the engine's step thread, so every sequence
+waits). A schema of 50 unions of 200 patterns (400 KB) stalled another client's stream and the
+liveness probe 1.5 s; at 1000 branches in all, a request costs at most 5-8 ms of either.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "s
 COMPILE_THREADS = 2  # xgrammar's own threads for one grammar (they take the compiling thread's priority)
 COMPILE_NICE = 10  # the compiling threads' nice value: CPU the engine leaves idle, little of what it uses
 MAX_NESTING = 64  # levels of objects and arrays in a schema: deeper ones are refused before any recursion
+MAX_ALTERNATIVES = 1000  # anyOf, oneOf and patternProperties branches of a constraint's JSON schemas, in all
+MAX_RULES = 1000  # rules of a constraint's EBNF grammars (`::=`), in all
 # xgrammar prefixes its messages with a timestamp and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -101,6 +109,38 @@ def nesting(value) -> int:
     return deepest
 
 
+_UNIONS = {"anyOf": list, "oneOf": list, "patternProperties": dict}  # a schema's keywords that offer a choice
+
+
+def alternatives(value) -> int:
+    """How many branches the anyOf, oneOf and patternProperties of the JSON schemas in `value` (a
+    schema, or a structural tag holding some) offer in all, found without recursion."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += sum(len(item[key]) for key, kind in _UNIONS.items() if isinstance(item.get(key), kind))
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return count
+
+
+def too_wide(constraint: Constraint) -> str | None:
+    """Why the constraint offers more at one point than a request may ask of the matcher, if it does."""
+    if constraint.kind in ("grammar", "structural_tag") and (rules := constraint.value.count("::=")) > MAX_RULES:
+        return f"its grammars have {rules} rules; at most {MAX_RULES} are served"  # a tag may hold EBNF too
+    if constraint.kind in ("json", "structural_tag"):
+        try:
+            count = alternatives(json.loads(constraint.value))
+        except (ValueError, RecursionError):
+            return None  # xgrammar names what is wrong with it
+        if count > MAX_ALTERNATIVES:
+            return (f"its JSON schemas have {count} anyOf, oneOf and patternProperties branches in all; "
+                    f"at most {MAX_ALTERNATIVES} are served")
+    return None
+
+
 def bounded_strings(schema):
     """The schema with each length-bounded string (no pattern, format, enum or const of its own)
     constrained by an equivalent pattern of JSON-valid characters. GrammarError for a schema nested
@@ -153,7 +193,10 @@ class GrammarCompiler:
 
     def compile(self, constraint: Constraint):
         """The compiled grammar; GrammarError with xgrammar's reason when it cannot be compiled, or
-        when no token can begin it (a schema that only refers to itself: xgrammar compiles it)."""
+        when no token can begin it (a schema that only refers to itself: xgrammar compiles it), or
+        when it is too wide for the matcher (`too_wide`)."""
+        if (reason := too_wide(constraint)) is not None:
+            raise GrammarError(reason)
         compiled = self._compile(constraint)
         bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
         self.matcher(compiled).fill_next_token_bitmask(bitmask)

@@ -187,6 +187,23 @@ def test_unknown_named_tool_and_hostile_parameters_are_400(oai):
         assert error.value.body["param"] == "tools"
 
 
+def test_a_union_wider_than_the_matcher_serves_is_the_requests_400(oai):
+    """50 unions of 200 patterns (400 KB) stalled another client's stream and the liveness probe
+    1.5 s (xgrammar's matcher, quadratic in the width); 1001 branches are refused before compiling."""
+    union = {"anyOf": [{"type": "string", "pattern": f"u{i}"} for i in range(1001)]}
+    wide = [("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": union}}}),
+            ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": union}}],
+                       "tool_choice": "required"})]
+    for param, extra in wide:
+        with pytest.raises(openai.BadRequestError, match="1001 anyOf, oneOf and patternProperties branches") as error:
+            oai.chat.completions.create(model=MODEL, messages=ask(0), max_tokens=4, **extra)
+        assert error.value.body["param"] == param
+    union["anyOf"].pop()
+    reply = oai.chat.completions.create(model=MODEL, messages=ask(0), max_tokens=8, response_format={
+        "type": "json_schema", "json_schema": {"name": "u", "schema": union}})
+    assert reply.choices[0].message.content.startswith('"u')
+
+
 def threads_nice(pid: int) -> dict[str, int]:
     """Each thread of a process: its nice value (field 19 of /proc's stat), by thread id."""
     niceness = {}

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from service.api.tool_calls import HermesParser, tool_constraint
-from service.engine.grammar import (COMPILE_NICE, Constraint, GrammarCompiler, GrammarError, bounded_strings,
-                                   choice_grammar, compile_pool, in_background)
+from service.engine.grammar import (COMPILE_NICE, MAX_ALTERNATIVES, MAX_RULES, Constraint, GrammarCompiler,
+                                   GrammarError, alternatives, bounded_strings, choice_grammar, compile_pool,
+                                   in_background)
 
 TWO_CALLS = ('Sure. <tool_call>\n{"name": "book", "arguments": {"city": "Pa}ris", "n": {"a": [1, 2]}}}\n</tool_call>\n'
              '<tool_call>\n{"name": "pay", "arguments": {}}\n</tool_call> done')
@@ -120,6 +121,42 @@ def test_a_constraint_that_cannot_compile_names_the_reason(compiler, constraint)
     with pytest.raises(GrammarError) as error:
         compiler.compile(constraint)
     assert str(error.value) and not str(error.value).startswith("[")  # xgrammar's source position is gone
+
+
+def patterns(count: int, tag: str = "z") -> list[dict]:
+    """Strings of `count` patterns: xgrammar makes a rule of each, which the matcher then predicts."""
+    return [{"type": "string", "pattern": f"{tag}{i}"} for i in range(count)]
+
+
+def test_alternatives_are_counted_in_all_of_a_constraints_schemas():
+    nested = {"anyOf": [{"oneOf": patterns(3)}, {"type": "object", "patternProperties": {"^a": {}, "^b": {}}}],
+              "$defs": {"d": {"anyOf": patterns(4)}}, "properties": {"anyOf": {"type": "string"}}}
+    assert alternatives(nested) == 2 + 3 + 2 + 4  # a property named anyOf is no union
+    tag = json.loads(tool_constraint([{"name": "f", "parameters": nested}, {"name": "g", "parameters": nested}],
+                                     "required", parallel=True).value)
+    assert alternatives(tag) == 2 * 11
+    assert alternatives({"enum": list(range(5000))}) == 0  # literals: the matcher takes them at no cost
+
+
+def test_a_constraint_wider_than_the_matcher_serves_is_refused_before_compiling(compiler):
+    """xgrammar's matcher takes time quadratic in a union's width when it is made (holding the GIL)
+    and at the first token (holding the engine's step): 50 unions of 200 patterns took 2.3 s of each."""
+    at_most = Constraint.json_schema({"anyOf": [{"anyOf": patterns(499, "a")}, {"anyOf": patterns(499, "b")}]})
+    assert accepts(compiler, at_most, '"a7"')
+    wider = [Constraint.json_schema({"anyOf": [{"anyOf": patterns(500, "a")}, {"anyOf": patterns(499, "b")}]}),
+             Constraint.json_schema({"type": "object", "patternProperties": {f"^p{i}": {} for i in range(1001)}}),
+             tool_constraint([{"name": f"f{i}", "parameters": {"oneOf": patterns(501)}} for i in range(2)],
+                             "auto", parallel=True)]
+    for constraint in wider:
+        with pytest.raises(GrammarError, match=f"at most {MAX_ALTERNATIVES} are served"):
+            compiler.compile(constraint)
+    rules = [f'r{i} ::= "z" r{i} | "i{i}"' for i in range(MAX_RULES)]
+    served = Constraint("grammar", "\n".join(["root ::= " + " | ".join(f"r{i}" for i in range(MAX_RULES - 1)),
+                                              *rules[:MAX_RULES - 1]]))
+    assert accepts(compiler, served, "zzi7")
+    with pytest.raises(GrammarError, match=f"have {MAX_RULES + 1} rules; at most {MAX_RULES} are served"):
+        compiler.compile(Constraint("grammar", "\n".join(["root ::= " + " | ".join(f"r{i}" for i in range(MAX_RULES)),
+                                                          *rules])))
 
 
 def test_a_constraint_that_admits_nothing_is_refused_and_one_that_leads_nowhere_is_seen_in_the_mask(compiler):
