@@ -128,16 +128,21 @@ def alternatives(value) -> int:
 
 def too_wide(constraint: Constraint) -> str | None:
     """Why the constraint offers more at one point than a request may ask of the matcher, if it does."""
-    if constraint.kind in ("grammar", "structural_tag") and (rules := constraint.value.count("::=")) > MAX_RULES:
-        return f"its grammars have {rules} rules; at most {MAX_RULES} are served"  # a tag may hold EBNF too
-    if constraint.kind in ("json", "structural_tag"):
-        try:
-            count = alternatives(json.loads(constraint.value))
-        except (ValueError, RecursionError):
-            return None  # xgrammar names what is wrong with it
-        if count > MAX_ALTERNATIVES:
-            return (f"its JSON schemas have {count} anyOf, oneOf and patternProperties branches in all; "
-                    f"at most {MAX_ALTERNATIVES} are served")
+    rules = constraint.value.count("::=") if constraint.kind in ("grammar", "structural_tag") else 0  # a tag may hold EBNF
+    try:
+        schemas = json.loads(constraint.value) if constraint.kind in ("json", "structural_tag") else None
+    except (ValueError, RecursionError):
+        schemas = None  # xgrammar names what is wrong with it
+    return width_refused(rules, alternatives(schemas))
+
+
+def width_refused(rules: int, branches: int) -> str | None:
+    """Why a constraint of `rules` EBNF rules and `branches` schema branches is refused, if it is."""
+    if rules > MAX_RULES:
+        return f"its grammars have {rules} rules; at most {MAX_RULES} are served"
+    if branches > MAX_ALTERNATIVES:
+        return (f"its JSON schemas have {branches} anyOf, oneOf and patternProperties branches in all; "
+                f"at most {MAX_ALTERNATIVES} are served")
     return None
 
 

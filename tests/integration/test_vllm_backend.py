@@ -149,6 +149,10 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}, "prompt beyond the context"),
     ({"model": MODEL}, "no prompt"),
     ({"model": MODEL, "prompt": "x", "structured_outputs": [None, None]}, "structured_outputs not an object"),
+    (b'{"model": "tiny-llama", "prompt": "x", "stream": true, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "nested past the JSON parser's depth"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": {"anyOf": [
+        {"type": "string", "pattern": f"u{i}"} for i in range(1001)]}}}, "a union wider than the matcher serves"),
 ])
 def test_bad_input_gets_an_openai_4xx_never_a_500(served, body, why):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -470,6 +470,44 @@ def test_what_vllm_would_answer_with_a_500_is_a_400_first(body, refused):
     assert _refused_before_the_engine("/tokenize", body) is None
 
 
+def union(width: int) -> dict:
+    return {"anyOf": [{"type": "string", "pattern": f"u{i}"} for i in range(width)]}
+
+
+def grammar(rules: int) -> str:
+    return "\n".join([f'root ::= r0 "x"', *(f'r{i} ::= "z" r{i} | "i{i}"' for i in range(rules - 1))])
+
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("path,param,build", [
+    ("/v1/chat/completions", "response_format",
+     lambda width: {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": union(width)}}}),
+    ("/v1/chat/completions", "tools", lambda width: {"tools": [tool("f", union(width - 500)), tool("g", union(500))]}),
+    ("/v1/completions", "structured_outputs", lambda width: {"structured_outputs": {"json": union(width)}}),
+    ("/v1/completions", "structured_outputs", lambda width: {"structured_outputs": {"grammar": grammar(width)}}),
+    ("/v1/responses", "text", lambda width: {"text": {"format": {"type": "json_schema", "name": "u", "schema": union(width)}}}),
+])
+def test_a_constraint_wider_than_the_matcher_serves_is_refused_before_vllm(path, param, build):
+    """vLLM's engine core makes the matcher and accepts its tokens, each in time quadratic in the
+    width (service.engine.grammar): every request waits on them."""
+    def refused(width: int, route: str = path):
+        return _refused_before_the_engine(route, json.dumps({"model": "m", **build(width)}).encode())
+
+    error = refused(1001)
+    assert (error.status, error.param) == (400, param) and "1001" in error.message
+    assert refused(1000) is None
+    assert refused(1001, "/v1/embeddings") is None
+
+
+def test_a_body_nested_past_the_json_parsers_depth_goes_to_vllm_as_it_is():
+    deep = b'{"prompt": "x", "stream": true, "structured_outputs": {}, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert _refused_before_the_engine("/v1/completions", deep) is None  # vLLM answers it with its 400
+    assert _asking_for_usage(deep, True) == (deep, True)
+
+
 def test_vllms_cpu_processes_get_tcmalloc_and_intel_openmp_unless_already_preloaded(tmp_path, monkeypatch):
     monkeypatch.setattr("ctypes.util.find_library", lambda name: {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}.get(name))
     (tmp_path / "lib").mkdir()
