@@ -4,12 +4,16 @@ to the first request that names it (TTFT with a new schema against the same sche
 grammar compiler's own time beside it; and how much a plain stream slows while other requests'
 grammars compile (`--hostile` requests at once, each a JSON schema with an enum of `--enum-values`
 new strings: about 2 s of xgrammar's time each at 20000 values on 2 cores, 30-40 s at 25000 six at
-once). On the torch engine (the runtime in-process, tiny model) and
+once); and a plain stream's longest pause while one request with `--unions` unions of
+`--union-width` patterns each is answered (xgrammar's matcher takes time quadratic in a union's
+width: the torch runtime refuses more than 1000 branches, vLLM's own server takes them). On the
+torch engine (the runtime in-process, tiny model) and
 on vLLM's CPU build as its documentation starts it (default configuration, from a host Python that
 has it: --vllm-python), the same weights, the same requests. Writes results/structured_outputs.json.
 
     python -m benchmarks.structured_outputs [--model tiny|76m] [--rounds 3] [--requests 32]
-                                            [--hostile 6] [--enum-values 10000] [--vllm-python VENV/bin/python]
+                                            [--hostile 6] [--enum-values 10000] [--unions 50]
+                                            [--union-width 200] [--vllm-python VENV/bin/python]
 
 `--model 76m` runs the random-weights ~76M-parameter Llama of the engine benchmarks (the tiny
 model's tokenizer), whose decode step is long enough that a mask's fixed cost is a small part of it,
@@ -53,10 +57,10 @@ def wide_schema(tag: str, properties: int = 50) -> dict:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """One streamed completion: its TTFT, inter-token latency and token count."""
+    """One streamed completion: its TTFT, inter-token latency, longest gap between tokens and token count."""
     start = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens, gap = 0, 0.0
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
                                                                       "stream_options": {"include_usage": True}}) as reply:
         reply.raise_for_status()
@@ -67,10 +71,11 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
+                now = time.perf_counter()
+                gap = max(gap, now - last) if last else gap
+                last, first = now, first or now
     itl = (last - first) / (tokens - 1) if tokens > 1 and first else None
-    return {"ttft_s": (first or time.perf_counter()) - start, "itl_s": itl, "tokens": tokens}
+    return {"ttft_s": (first or time.perf_counter()) - start, "itl_s": itl, "gap_max_s": gap, "tokens": tokens}
 
 
 def body(constrained: bool, i: int) -> dict:
@@ -133,7 +138,28 @@ async def isolation(url: str, hostile: int, values: int) -> dict:
             "last_hostile_request_s": round(compiles_s, 1)}
 
 
-def measure(url: str, rounds: int, requests: int, hostile: int, values: int) -> dict:
+async def wide_union(url: str, unions: int, width: int) -> dict:
+    """A plain stream's longest gap between tokens while one request constrained to `unions` unions of
+    `width` new patterns each is answered, against the same streams alone just before."""
+    async with httpx.AsyncClient(timeout=1800) as client:
+        alone = [(await stream_one(client, url, body(False, i)))["gap_max_s"] for i in range(8)]
+        tag = f"w{os.getpid()}x{time.time_ns()}"
+        schema = {"anyOf": [{"anyOf": [{"type": "string", "pattern": f"{tag}_{u}_{i}"} for i in range(width)]}
+                            for u in range(unions)]}
+        began = time.perf_counter()
+        wide = asyncio.create_task(client.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "Pick one:", "max_tokens": 4, "structured_outputs": {"json": schema}}))
+        during = []
+        while not wide.done() or not during:
+            during.append((await stream_one(client, url, body(False, len(during))))["gap_max_s"])
+        reply = await wide
+    return {"unions": unions, "union_width": width, "status": reply.status_code,
+            "answered_s": round(time.perf_counter() - began, 2), "streams_during": len(during),
+            "gap_max_alone_ms_p50": round(statistics.median(alone) * 1000, 1),
+            "gap_max_during_ms": round(max(during) * 1000, 1)}
+
+
+def measure(url: str, rounds: int, requests: int, hostile: int, values: int, unions: int, width: int) -> dict:
     asyncio.run(level(url, True, 2, 4))  # warm both paths
     asyncio.run(level(url, False, 2, 4))
     out = {}
@@ -150,6 +176,9 @@ def measure(url: str, rounds: int, requests: int, hostile: int, values: int) -> 
     if hostile:
         out["isolation"] = asyncio.run(isolation(url, hostile, values))
         print("isolation", json.dumps(out["isolation"]))
+    if unions:
+        out["wide_union"] = asyncio.run(wide_union(url, unions, width))
+        print("wide union", json.dumps(out["wide_union"]))
     return out
 
 
@@ -185,10 +214,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--hostile", type=int, default=6, help="requests whose grammars compile at once (0: skip)")
     parser.add_argument("--enum-values", type=int, default=10000)
+    parser.add_argument("--unions", type=int, default=50, help="unions in the wide request's schema (0: skip)")
+    parser.add_argument("--union-width", type=int, default=200, help="patterns in each of them")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--vllm-python", help="a Python with vLLM's CPU build: vLLM in its default configuration")
     args = parser.parse_args()
-    measured = (args.rounds, args.requests, args.hostile, args.enum_values)
+    measured = (args.rounds, args.requests, args.hostile, args.enum_values, args.unions, args.union_width)
     with tempfile.TemporaryDirectory() as tmp:
         model = ensure_tiny_model() if args.model == "tiny" else make_76m_llama(Path(tmp) / "llama-76m")
         with ServerProcess(["--model", str(model), "--served-model-name", MODEL],

@@ -126,6 +126,18 @@ def alternatives(value) -> int:
     return count
 
 
+def ebnf_rules(value) -> int:
+    """The EBNF rules (`::=`) in the strings of a parsed JSON value, found without recursion."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            count += item.count("::=")
+        elif isinstance(item, dict | list):
+            stack += item.values() if isinstance(item, dict) else item
+    return count
+
+
 def too_wide(constraint: Constraint) -> str | None:
     """Why the constraint offers more at one point than a request may ask of the matcher, if it does."""
     rules = constraint.value.count("::=") if constraint.kind in ("grammar", "structural_tag") else 0  # a tag may hold EBNF

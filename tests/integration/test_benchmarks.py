@@ -43,7 +43,8 @@ def test_the_http_overhead_benchmark_writes_its_result(tmp_path):
 def test_the_structured_outputs_benchmark_writes_its_result(tmp_path):
     """The torch runtime alone (vLLM is the user's --vllm-python), small counts (about 30 s)."""
     run = subprocess.run([sys.executable, "-m", "benchmarks.structured_outputs", "--rounds", "1", "--requests", "4",
-                          "--hostile", "2", "--enum-values", "300", "--out", str(tmp_path)], cwd=ROOT,
+                          "--hostile", "2", "--enum-values", "300", "--unions", "2", "--union-width", "501",
+                          "--out", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "structured_outputs.json").read_text())["torch"]
@@ -51,6 +52,8 @@ def test_the_structured_outputs_benchmark_writes_its_result(tmp_path):
     isolation = result["isolation"]
     assert isolation["statuses"] == [200, 200] and isolation["enum_values"] == 300, isolation
     assert isolation["streams_during"] >= 1 and isolation["itl_during_compiles_ms_p50"] > 0, isolation
+    wide = result["wide_union"]
+    assert wide["status"] == 400 and wide["streams_during"] >= 1 and wide["gap_max_during_ms"] > 0, wide
 
 
 def test_a_bad_levels_flag_is_a_usage_error_not_a_traceback():

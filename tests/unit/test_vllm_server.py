@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from service.admission import Admission
-from service.api.passthrough import Passthrough, _asking_for_usage, _refused_before_the_engine, openai_error
+from service.api.passthrough import Passthrough, _asking_for_usage, _object, _refused_before_the_engine, openai_error
 from service.engine.base import EngineStats
 from service.engine.vllm_server import (MIDDLEWARE, RUNTIME_FILE_ENV, Resolved, cpu_preload, gauges_from_vllm,
                                         vllm_arguments, write_logging_config)
@@ -286,15 +286,19 @@ def test_engine_errors_reach_the_client_in_the_openai_shape_and_503_with_retry_a
         assert error["message"] == (message or error["message"]) and error["message"]
 
 
+def asking_for_usage(body: bytes, rewrite: bool) -> tuple[bytes, bool]:
+    return _asking_for_usage(body, _object(body), rewrite)
+
+
 def test_streams_ask_the_engine_for_usage_and_remember_whether_the_client_did():
     plain = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
-    body, asked = _asking_for_usage(plain, rewrite=True)
+    body, asked = asking_for_usage(plain, rewrite=True)
     assert json.loads(body)["stream_options"] == {"include_usage": True} and not asked
     asking = json.dumps({"stream": True, "stream_options": {"include_usage": True}}).encode()
-    assert _asking_for_usage(asking, rewrite=True) == (asking, True)
+    assert asking_for_usage(asking, rewrite=True) == (asking, True)
     for unchanged in (b'{"stream": false}', b'{"stream": ', b'{"prompt": "x"}', b'[1]'):
-        assert _asking_for_usage(unchanged, rewrite=True) == (unchanged, True)
-    assert _asking_for_usage(plain, rewrite=False) == (plain, True)  # /v1/responses carries usage anyway
+        assert asking_for_usage(unchanged, rewrite=True) == (unchanged, True)
+    assert asking_for_usage(plain, rewrite=False) == (plain, True)  # /v1/responses carries usage anyway
 
 
 def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys, restored_logging):
@@ -463,11 +467,11 @@ def test_what_was_queued_is_written_before_the_handler_closes_and_after_a_fork(t
     (b'{not json "structured_outputs"', False),  # vLLM answers malformed JSON
 ])
 def test_what_vllm_would_answer_with_a_500_is_a_400_first(body, refused):
-    error = _refused_before_the_engine("/v1/completions", body)
+    error = _refused_before_the_engine("/v1/completions", _object(body))
     assert (error is not None) == refused
     if refused:
         assert (error.status, error.param) == (400, "structured_outputs")
-    assert _refused_before_the_engine("/tokenize", body) is None
+    assert _refused_before_the_engine("/tokenize", _object(body)) is None
 
 
 def union(width: int) -> dict:
@@ -494,7 +498,7 @@ def test_a_constraint_wider_than_the_matcher_serves_is_refused_before_vllm(path,
     """vLLM's engine core makes the matcher and accepts its tokens, each in time quadratic in the
     width (service.engine.grammar): every request waits on them."""
     def refused(width: int, route: str = path):
-        return _refused_before_the_engine(route, json.dumps({"model": "m", **build(width)}).encode())
+        return _refused_before_the_engine(route, {"model": "m", **build(width)})
 
     error = refused(1001)
     assert (error.status, error.param) == (400, param) and "1001" in error.message
@@ -504,8 +508,8 @@ def test_a_constraint_wider_than_the_matcher_serves_is_refused_before_vllm(path,
 
 def test_a_body_nested_past_the_json_parsers_depth_goes_to_vllm_as_it_is():
     deep = b'{"prompt": "x", "stream": true, "structured_outputs": {}, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    assert _refused_before_the_engine("/v1/completions", deep) is None  # vLLM answers it with its 400
-    assert _asking_for_usage(deep, True) == (deep, True)
+    assert _object(deep) is None and _object(b"[1]") is None and _object(b'{"a": ') is None
+    assert asking_for_usage(deep, True) == (deep, True)  # vLLM answers it with its 400
 
 
 def test_vllms_cpu_processes_get_tcmalloc_and_intel_openmp_unless_already_preloaded(tmp_path, monkeypatch):
