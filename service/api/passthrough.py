@@ -172,8 +172,10 @@ def _refused_before_the_engine(path: str, payload: dict | None) -> ServingError 
     for param in CONSTRAINED[path]:
         if param not in payload:
             continue
-        grammars = ebnf_rules(payload[param]) if param in ("structured_outputs", "response_format") else 0
-        if (reason := width_refused(grammars, alternatives(payload[param]))) is not None:
+        value = payload[param]
+        grammars = ebnf_rules(value) if param in ("structured_outputs", "response_format") else 0
+        tools = len(value) if param == "tools" and isinstance(value, list) else 0  # vLLM's `required`: a union of them
+        if (reason := width_refused(grammars, tools + alternatives(value))) is not None:
             return ServingError(400, f"{param}: the constraint cannot be compiled: {reason}", param)
     return None
 

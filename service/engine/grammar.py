@@ -42,7 +42,7 @@ ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "s
 COMPILE_THREADS = 2  # xgrammar's own threads for one grammar (they take the compiling thread's priority)
 COMPILE_NICE = 10  # the compiling threads' nice value: CPU the engine leaves idle, little of what it uses
 MAX_NESTING = 64  # levels of objects and arrays in a schema: deeper ones are refused before any recursion
-MAX_ALTERNATIVES = 1000  # anyOf, oneOf and patternProperties branches of a constraint's JSON schemas, in all
+MAX_ALTERNATIVES = 1000  # a constraint's anyOf, oneOf and patternProperties branches and tags (tools), in all
 MAX_RULES = 1000  # rules of a constraint's EBNF grammars (`::=`), in all
 # xgrammar prefixes its messages with a timestamp and a C++ source position
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -109,12 +109,14 @@ def nesting(value) -> int:
     return deepest
 
 
-_UNIONS = {"anyOf": list, "oneOf": list, "patternProperties": dict}  # a schema's keywords that offer a choice
+# What offers a choice: a JSON schema's keywords, a structural tag's tags (a tool each; `structures`
+# in vLLM's response_format of type structural_tag)
+_UNIONS = {"anyOf": list, "oneOf": list, "patternProperties": dict, "tags": list, "structures": list}
 
 
 def alternatives(value) -> int:
-    """How many branches the anyOf, oneOf and patternProperties of the JSON schemas in `value` (a
-    schema, or a structural tag holding some) offer in all, found without recursion."""
+    """How many alternatives a schema or a structural tag offers in all (`_UNIONS`), found without
+    recursion. 2000 tools' tags took xgrammar's matcher 93 ms to make, 1000 22 ms."""
     count, stack = 0, [value]
     while stack:
         item = stack.pop()
@@ -153,8 +155,8 @@ def width_refused(rules: int, branches: int) -> str | None:
     if rules > MAX_RULES:
         return f"its grammars have {rules} rules; at most {MAX_RULES} are served"
     if branches > MAX_ALTERNATIVES:
-        return (f"its JSON schemas have {branches} anyOf, oneOf and patternProperties branches in all; "
-                f"at most {MAX_ALTERNATIVES} are served")
+        return (f"it offers {branches} alternatives in all (anyOf, oneOf and patternProperties branches, "
+                f"tools); at most {MAX_ALTERNATIVES} are served")
     return None
 
 

@@ -195,7 +195,7 @@ def test_a_union_wider_than_the_matcher_serves_is_the_requests_400(oai):
             ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": union}}],
                        "tool_choice": "required"})]
     for param, extra in wide:
-        with pytest.raises(openai.BadRequestError, match="1001 anyOf, oneOf and patternProperties branches") as error:
+        with pytest.raises(openai.BadRequestError, match="alternatives in all") as error:
             oai.chat.completions.create(model=MODEL, messages=ask(0), max_tokens=4, **extra)
         assert error.value.body["param"] == param
     union["anyOf"].pop()

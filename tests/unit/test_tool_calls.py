@@ -134,7 +134,7 @@ def test_alternatives_are_counted_in_all_of_a_constraints_schemas():
     assert alternatives(nested) == 2 + 3 + 2 + 4  # a property named anyOf is no union
     tag = json.loads(tool_constraint([{"name": "f", "parameters": nested}, {"name": "g", "parameters": nested}],
                                      "required", parallel=True).value)
-    assert alternatives(tag) == 2 * 11
+    assert alternatives(tag) == 2 + 2 * 11  # a tag a tool
     assert alternatives({"enum": list(range(5000))}) == 0  # literals: the matcher takes them at no cost
 
 
@@ -145,8 +145,9 @@ def test_a_constraint_wider_than_the_matcher_serves_is_refused_before_compiling(
     assert accepts(compiler, at_most, '"a7"')
     wider = [Constraint.json_schema({"anyOf": [{"anyOf": patterns(500, "a")}, {"anyOf": patterns(499, "b")}]}),
              Constraint.json_schema({"type": "object", "patternProperties": {f"^p{i}": {} for i in range(1001)}}),
-             tool_constraint([{"name": f"f{i}", "parameters": {"oneOf": patterns(501)}} for i in range(2)],
-                             "auto", parallel=True)]
+             tool_constraint([{"name": f"f{i}", "parameters": {"oneOf": patterns(500)}} for i in range(2)],
+                             "auto", parallel=True),
+             tool_constraint([{"name": f"f{i}"} for i in range(MAX_ALTERNATIVES + 1)], "required", parallel=True)]
     for constraint in wider:
         with pytest.raises(GrammarError, match=f"at most {MAX_ALTERNATIVES} are served"):
             compiler.compile(constraint)

@@ -489,7 +489,8 @@ def tool(name: str, parameters: dict) -> dict:
 @pytest.mark.parametrize("path,param,build", [
     ("/v1/chat/completions", "response_format",
      lambda width: {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": union(width)}}}),
-    ("/v1/chat/completions", "tools", lambda width: {"tools": [tool("f", union(width - 500)), tool("g", union(500))]}),
+    ("/v1/chat/completions", "tools", lambda width: {"tools": [tool("f", union(width - 502)), tool("g", union(500))]}),
+    ("/v1/chat/completions", "tools", lambda width: {"tools": [tool(f"f{i}", {"type": "object"}) for i in range(width)]}),
     ("/v1/completions", "structured_outputs", lambda width: {"structured_outputs": {"json": union(width)}}),
     ("/v1/completions", "structured_outputs", lambda width: {"structured_outputs": {"grammar": grammar(width)}}),
     ("/v1/responses", "text", lambda width: {"text": {"format": {"type": "json_schema", "name": "u", "schema": union(width)}}}),
