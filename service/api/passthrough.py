@@ -25,6 +25,7 @@ from time import perf_counter
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
 from service.api.errors import RETRY_AFTER_SECONDS, ServingError
@@ -50,6 +51,7 @@ NOT_ENDING = b'"finish_reason":null'  # a chat or completions event of a choice 
 # as the parse of a 1 KB body (3.7 us) and miss keys written with escapes ("any\u004ff").
 CONSTRAINED = {"/v1/chat/completions": ("structured_outputs", "response_format", "tools"),
                "/v1/completions": ("structured_outputs", "response_format"), "/v1/responses": ("text", "tools")}
+LAX_BOOL = TypeAdapter(bool)  # how vLLM's request models read a boolean: "true", "no", 1, 0.0 too
 
 
 @dataclass
@@ -182,15 +184,32 @@ def _refused_before_the_engine(path: str, payload: dict | None) -> ServingError 
 
 def _asking_for_usage(body: bytes, payload: dict | None, rewrite: bool) -> tuple[bytes, bool]:
     """A stream of chat or completions always asks the engine for its usage (the metrics count it);
-    whether the client asked too, so the usage-only event can be dropped when it did not."""
-    if not rewrite or payload is None or payload.get("stream") is not True:
+    whether the client asked too, so the usage-only event can be dropped when it did not. `stream`
+    and `include_usage` are read as vLLM reads them (`"stream": "true"` streams); a body vLLM will
+    refuse is passed on as it is, for its 400."""
+    if not rewrite or payload is None or _flag(payload.get("stream")) is not True:
         return body, True
     options = payload.get("stream_options")
-    asked = isinstance(options, dict) and bool(options.get("include_usage"))
+    if options is not None and not isinstance(options, dict):
+        return body, True
+    asked = _flag((options or {}).get("include_usage"))
+    if asked is None:
+        return body, True
     if not asked:
-        payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        payload["stream_options"] = {**(options or {}), "include_usage": True}
         body = json.dumps(payload).encode()
     return body, asked
+
+
+def _flag(value) -> bool | None:
+    """`value` as vLLM's request models read a boolean, absent or null as False; None where they
+    refuse it."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    try:
+        return LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return None
 
 
 class Passthrough:

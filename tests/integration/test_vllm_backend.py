@@ -140,6 +140,30 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     assert ("num_requests_running", (("model_name", MODEL),)) in after
 
 
+def test_streams_asked_for_in_vllms_lax_booleans_are_counted(served):
+    """vLLM reads a request's booleans laxly ("stream": "true", "include_usage": "no"): the contract
+    reads them the same way, so every stream it passes on is counted, and a client that said no to
+    usage gets none."""
+    before = scrape(served.url)
+    tokens = []
+    for stream, include_usage in (("true", None), (1, "false"), ("yes", "no"), (True, "on")):
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "ignore_eos": True, "stream": stream}
+        if include_usage is not None:
+            body["stream_options"] = {"include_usage": include_usage}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as reply:
+            assert reply.status_code == 200, reply.read()
+            events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+        usage = [event["usage"]["completion_tokens"] for event in events if event.get("usage")]
+        assert usage == ([5] if include_usage == "on" else []), (stream, include_usage)
+        tokens.append(sum(len(event["choices"]) for event in events if event.get("choices")))
+    after = scrape(served.url)
+    assert tokens == [5] * 4
+    assert metric(after, "generation_tokens_total", model_name=MODEL) - \
+        metric(before, "generation_tokens_total", model_name=MODEL) == 20
+    assert metric(after, "request_success_total", model_name=MODEL) - \
+        metric(before, "request_success_total", model_name=MODEL) == 4
+
+
 @pytest.mark.parametrize("body,why", [
     (b'{"model": "tiny-llama", "prompt": ', "malformed JSON"),
     ({"model": "no-such-model", "prompt": "x"}, "unknown model"),
@@ -149,6 +173,9 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}, "prompt beyond the context"),
     ({"model": MODEL}, "no prompt"),
     ({"model": MODEL, "prompt": "x", "structured_outputs": [None, None]}, "structured_outputs not an object"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": "usage"}, "stream_options not an object"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "maybe"}},
+     "include_usage not a boolean"),
     (b'{"model": "tiny-llama", "prompt": "x", "stream": true, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
      "nested past the JSON parser's depth"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": {"anyOf": [

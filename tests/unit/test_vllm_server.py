@@ -301,6 +301,25 @@ def test_streams_ask_the_engine_for_usage_and_remember_whether_the_client_did():
     assert asking_for_usage(plain, rewrite=False) == (plain, True)  # /v1/responses carries usage anyway
 
 
+def test_stream_and_include_usage_are_read_as_vllm_reads_booleans():
+    for stream in ("true", "yes", 1, 1.0, "on"):
+        for include_usage in (None, False, "false", "no", 0, "off"):
+            options = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
+            body, asked = asking_for_usage(json.dumps({"stream": stream, **options}).encode(), rewrite=True)
+            assert json.loads(body)["stream_options"] == {"include_usage": True} and not asked, (stream, include_usage)
+        for include_usage in (True, "true", "yes", 1):
+            body = json.dumps({"stream": stream, "stream_options": {"include_usage": include_usage}}).encode()
+            assert asking_for_usage(body, rewrite=True) == (body, True)
+    kept = json.dumps({"stream": "1", "stream_options": {"include_usage": "0", "continuous_usage_stats": True}}).encode()
+    assert json.loads(asking_for_usage(kept, rewrite=True)[0])["stream_options"] == {
+        "include_usage": True, "continuous_usage_stats": True}
+    for refused in ({"stream": True, "stream_options": "usage"}, {"stream": True, "stream_options": [1]},
+                    {"stream": True, "stream_options": {"include_usage": "maybe"}}, {"stream": "maybe"},
+                    {"stream": "false"}, {"stream": 0}, {"stream": None}):
+        body = json.dumps(refused).encode()
+        assert asking_for_usage(body, rewrite=True) == (body, True), refused  # vLLM's 400, or no stream
+
+
 def test_vllms_processes_log_in_the_runtimes_format(tmp_path, capsys, restored_logging):
     settings = load_settings({}, {"NIM_JSONL_LOGGING": "1"})
     config = json.loads(write_logging_config(tmp_path, settings).read_text())
