@@ -41,9 +41,11 @@ class Admission:
     def max_in_flight(self) -> int:
         return self.max_num_seqs + self.max_queue
 
-    def check_size(self, prompts: int, n: int) -> None:
-        """400 for a request larger than any wait could admit (a retry would fail the same way)."""
-        if n > self.max_num_seqs:
+    def check_size(self, prompts: int, n: int, together: bool = True) -> None:
+        """400 for a request larger than any wait could admit (a retry would fail the same way).
+        `together`: the engine runs a request's n choices at once (the torch engine), so n is bounded
+        by NIM_MAX_NUM_SEQS too; vLLM runs them as they fit."""
+        if together and n > self.max_num_seqs:
             raise RequestTooLargeError(f"n must be at most {self.max_num_seqs} (NIM_MAX_NUM_SEQS)", "n")
         if prompts * n > self.max_seqs_per_request:
             raise RequestTooLargeError(

@@ -146,6 +146,8 @@ def build_runtime(settings: Settings, selection: Selection | None = None) -> Run
     engine = make_engine(settings, profile, chosen.model_dir, served_name, adapters)
     max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
     per_request = engine_setting(settings, profile, "max_seqs_per_request", engine.max_num_seqs + max_queue)
+    if isinstance(engine, PassthroughEngine):  # vLLM counts each sequence against its queue bound: more never fit
+        per_request = min(per_request, engine.max_num_seqs + max_queue)
     return Runtime(settings=settings, manifest=chosen.manifest, profile=profile, hardware=chosen.hardware,
                    model_dir=chosen.model_dir, engine=engine, served_model_name=served_name,
                    verification=chosen.verification, adapters=adapters,

@@ -30,8 +30,9 @@ from starlette.requests import ClientDisconnect
 
 from service.api.errors import RETRY_AFTER_SECONDS, ServingError
 from service.api.middleware import send_error
+from service.admission import Admission
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
-from service.engine.base import PassthroughEngine
+from service.engine.base import PassthroughEngine, RequestTooLargeError
 from service.engine.grammar import alternatives, ebnf_rules, width_refused
 
 # Routes the engine serves; those marked True generate tokens (metrics).
@@ -52,6 +53,7 @@ NOT_ENDING = b'"finish_reason":null'  # a chat or completions event of a choice 
 CONSTRAINED = {"/v1/chat/completions": ("structured_outputs", "response_format", "tools"),
                "/v1/completions": ("structured_outputs", "response_format"), "/v1/responses": ("text", "tools")}
 LAX_BOOL = TypeAdapter(bool)  # how vLLM's request models read a boolean: "true", "no", 1, 0.0 too
+LAX_INT = TypeAdapter(int)  # and an integer: "3", 3.0
 
 
 @dataclass
@@ -114,7 +116,7 @@ class PassthroughApp:
         if body is None:
             return  # the client went away before its request was read
         payload = _object(body) if path in CONSTRAINED else None  # 3.7 us for a 1 KB body
-        if (refused := _refused_before_the_engine(path, payload)) is not None:
+        if (refused := _refused_before_the_engine(path, payload) or _too_large(path, payload, rt.admission)) is not None:
             return await send_error(send, refused)
         generates = PASSED[path]
         body, keep_usage = _asking_for_usage(body, payload, generates and path != "/v1/responses")
@@ -179,6 +181,25 @@ def _refused_before_the_engine(path: str, payload: dict | None) -> ServingError 
         tools = len(value) if param == "tools" and isinstance(value, list) else 0  # vLLM's `required`: a union of them
         if (reason := width_refused(grammars, tools + alternatives(value))) is not None:
             return ServingError(400, f"{param}: the constraint cannot be compiled: {reason}", param)
+    return None
+
+
+def _too_large(path: str, payload: dict | None, admission: Admission) -> ServingError | None:
+    """A 400 for a chat or completions request of more sequences (prompts x n) than vLLM's queue
+    bound: it counts each against `--max-num-queued-reqs`, and would answer 503 "busy, try again
+    later" to a request that no wait admits (the torch runtime's 400, NIM_MAX_SEQS_PER_REQUEST)."""
+    if payload is None or path not in ("/v1/chat/completions", "/v1/completions"):
+        return None
+    try:
+        n = 1 if payload.get("n") is None else LAX_INT.validate_python(payload["n"])
+    except ValidationError:
+        return None  # vLLM's 400
+    prompt = payload.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    try:
+        admission.check_size(prompts, n, together=False)
+    except RequestTooLargeError as exc:
+        return ServingError(400, str(exc), exc.param)
     return None
 
 

@@ -12,6 +12,9 @@ def test_a_request_no_wait_could_admit_is_the_clients_error():
         with pytest.raises(RequestTooLargeError) as raised:
             admission.check_size(prompts, n)
         assert raised.value.param == param and "NIM_MAX" in str(raised.value)
+    admission.check_size(1, 288, together=False)  # vLLM runs a request's choices as they fit
+    with pytest.raises(RequestTooLargeError):
+        admission.check_size(1, 289, together=False)
 
 
 def test_in_flight_is_bounded_by_running_plus_waiting_and_released():

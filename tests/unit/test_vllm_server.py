@@ -493,6 +493,26 @@ def test_what_vllm_would_answer_with_a_500_is_a_400_first(body, refused):
     assert _refused_before_the_engine("/tokenize", _object(body)) is None
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [], "n": 25}, "n"), ({"prompt": "x", "n": "25"}, "n"), ({"prompt": "x", "n": 10**6}, "n"),
+    ({"prompt": ["a", "b", "c"], "n": 9}, "prompt"), ({"prompt": [[1], [2], [3], [4], [5]], "n": 5}, "prompt"),
+    ({"prompt": "x", "n": 24}, None), ({"prompt": [1, 2, 3], "n": 24}, None), ({"prompt": ["a", "b"], "n": 12}, None),
+    ({"prompt": "x", "n": "many"}, None), ({"prompt": "x", "n": None}, None), ({"prompt": "x"}, None),
+])
+def test_more_sequences_than_vllms_queue_bound_is_a_400_not_its_503(body, param):
+    """vLLM counts a request's sequences against --max-num-queued-reqs (NIM_MAX_NUM_SEQS +
+    NIM_MAX_QUEUE) and answers 503 "busy" to one that no wait admits; n above NIM_MAX_NUM_SEQS
+    alone it serves, as the sequences fit."""
+    from service.admission import Admission
+    from service.api.passthrough import _too_large
+
+    admission = Admission(max_num_seqs=8, max_queue=16, max_seqs_per_request=24)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = _too_large(path, body, admission)
+    assert (error and (error.status, error.param)) == ((400, param) if param else None)
+    assert _too_large("/v1/responses", body, admission) is None
+
+
 def union(width: int) -> dict:
     return {"anyOf": [{"type": "string", "pattern": f"u{i}"} for i in range(width)]}
 
