@@ -239,6 +239,15 @@ def test_text_that_is_not_unicode_is_a_400_naming_the_field(server, route, body,
     assert "TextEncodeInput" not in error["message"] and "Traceback" not in error["message"]
 
 
+@pytest.mark.parametrize("route,body", [(COMPLETIONS, completion_body), (CHAT, chat_body)])
+def test_more_stop_strings_than_openai_takes_is_a_400_naming_the_limit(server, route, body):
+    """Each stop string is looked for after every token: 200000 of them held every stream of the
+    server to a token every 0.3 s."""
+    error = assert_openai_error(httpx.post(server.url + route, json=body(stop=["x"] * 5)), 400, "stop")
+    assert "at most 4" in error["message"]
+    assert httpx.post(server.url + route, json=body(stop=["x"] * 4, max_tokens=2)).status_code == 200
+
+
 @pytest.mark.parametrize("body,param", [
     (completion_body(prompt=["x"] * 1000), "prompt"),
     (completion_body(prompt=["x"] * 255, n=32), "prompt"),
