@@ -28,9 +28,9 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
+from service.admission import Admission
 from service.api.errors import RETRY_AFTER_SECONDS, ServingError
 from service.api.middleware import send_error
-from service.admission import Admission
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine, RequestTooLargeError
 from service.engine.grammar import alternatives, ebnf_rules, width_refused
