@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
 
 class OpenAIBase(BaseModel):
@@ -143,6 +144,14 @@ class SamplingFields(OpenAIBase):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
         None, description="Extension (vLLM's): drop the tokens less likely than this times the likeliest's "
                           "probability (0 = off).")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """OpenAI's API and vLLM refuse stream_options without a stream; it would be ignored."""
+        if options is not None and info.data.get("stream") is False:  # absent when stream itself failed
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
 
 # -- chat completions ----------------------------------------------------------------------

@@ -266,6 +266,8 @@ def test_more_sequences_than_a_request_may_make_is_a_400_not_a_retryable_503(ser
     (COMPLETIONS, completion_body(n="2"), "n"),
     (COMPLETIONS, completion_body(max_tokens=True), "max_tokens"),
     (COMPLETIONS, completion_body(stream="yes"), "stream"),
+    (COMPLETIONS, completion_body(stream_options={"include_usage": True}), "stream_options"),  # as OpenAI and vLLM
+    (CHAT, chat_body(stream=False, stream_options={"include_usage": False}), "stream_options"),
     (COMPLETIONS, completion_body(stop_token_ids=[-5]), "stop_token_ids.0"),
     (COMPLETIONS, completion_body(stop_token_ids=[99999]), "stop_token_ids"),
 ])
