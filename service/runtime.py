@@ -74,7 +74,7 @@ class Runtime:
                                       shared=isinstance(self.engine, PassthroughEngine))
         self.serving = (OpenAIServing(self.engine, self.engine.tokenizer, self.served_model_name, self.metrics,
                                       self.admission, self.adapters, self.settings.tool_call_parser,
-                                      sampling_defaults(self.model_dir))
+                                      sampling_defaults(self.model_dir), self.settings.max_stop_strings)
                         if isinstance(self.engine, Engine) else None)
 
     @property
@@ -191,7 +191,8 @@ def make_engine(settings: Settings, profile: Profile, model_dir: Path, served_na
         max_queue = engine_setting(settings, profile, "max_queue", DEFAULT_MAX_QUEUE)
         arguments = vllm_arguments(model_dir, served_name, profile, settings, max_model_len, max_num_seqs, max_queue,
                                    adapters.adapters.values() if adapters else ())
-        return VllmServer(arguments, served_name, max_model_len, max_num_seqs)
+        return VllmServer(arguments, served_name, max_model_len, max_num_seqs,
+                          {"VLLM_MAX_STOP_STRINGS": str(settings.max_stop_strings)})
     if tags.engine != "torch":
         raise ValueError(f"engine {tags.engine!r} is not available in this runtime")
     compile_decode = bool(profile.engine_args.get("compile_decode", False))

@@ -47,6 +47,10 @@ class Settings(BaseModel):
     max_seqs_per_request: int | None = _opt(
         "NIM_MAX_SEQS_PER_REQUEST", "--max-seqs-per-request", "Sequences one request may make (prompts x n); above it "
         "a 400. Default: max_num_seqs + NIM_MAX_QUEUE, what the server holds at once.", default=None, ge=1)
+    max_stop_strings: int = _opt(
+        "NIM_MAX_STOP_STRINGS", "--max-stop-strings", "Stop strings one request may give (each is looked for after "
+        "every token of every choice); above it a 400. vLLM's VLLM_MAX_STOP_STRINGS in a vLLM profile. Default 4, as "
+        "OpenAI's API and vLLM.", default=4, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _opt(
         "NIM_LOG_LEVEL", "--log-level", "Log level.", default="INFO")
     jsonl_logging: bool = _opt("NIM_JSONL_LOGGING", "--jsonl-logging", "1 = one JSON object per log line.", default=False)

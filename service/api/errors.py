@@ -79,11 +79,9 @@ UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|dict|list|none|[A-Z]\w*)$")
 
 def _validation_error(exc: RequestValidationError) -> ServingError:
     """The first error, but a value's own error before a union's type mismatches: `"prompt":
-    "\\ud800"` fails the `str` member for its surrogate and the `list` members for its type, and
-    five stop strings the `str` member for their type and the list's for its length."""
+    "\\ud800"` fails the `str` member for its surrogate and the `list` members for its type."""
     errors = exc.errors()
-    error = next((e for e in errors if e.get("type") == "value_error"), None) or \
-        next((e for e in errors if not str(e.get("type")).endswith("_type")), errors[0])
+    error = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [str(part) for part in error.get("loc", ()) if part != "body" and not UNION_MEMBER.search(str(part))]
     if error.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}")

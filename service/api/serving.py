@@ -98,12 +98,12 @@ NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer, model_name: str, metrics: ServiceMetrics, admission: Admission,
                  adapters: AdapterRegistry | None = None, tool_call_parser: str | None = None,
-                 defaults: dict[str, float | int] | None = None) -> None:
+                 defaults: dict[str, float | int] | None = None, max_stop_strings: int = 4) -> None:
         """`defaults`: the sampling fields' values where a request leaves them unset (the model's
-        generation config: service.generation_defaults)."""
+        generation config: service.generation_defaults). `max_stop_strings`: NIM_MAX_STOP_STRINGS."""
         self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
         self.admission, self.adapters, self.tool_call_parser = admission, adapters, tool_call_parser
-        self.defaults = defaults or {}
+        self.defaults, self.max_stop_strings = defaults or {}, max_stop_strings
         self._encode = prompt_encoder(tokenizer)
         # Prompts are rendered and encoded here, not on the event loop: 2 MB of text took the tiny
         # model's tokenizer 1.8 s, every stream of the server waiting. One thread, as vLLM's
@@ -436,6 +436,9 @@ class OpenAIServing:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
+        if len(stop) > self.max_stop_strings:  # each is looked for after every token of every choice
+            raise bad_request(f"at most {self.max_stop_strings} stop strings (NIM_MAX_STOP_STRINGS); got {len(stop)}",
+                              "stop")
         # each field the request's, else the model's (its generation config), else neutral
         sent = {name: value for name in NEUTRAL.keys() & req.model_fields_set
                 if (value := getattr(req, name)) is not None}

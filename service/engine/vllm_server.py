@@ -112,8 +112,11 @@ def vllm_arguments(model_dir: Path, served_name: str, profile: Profile, settings
 class VllmServer(PassthroughEngine):
     """vLLM in this process, seen from the contract's side of its app."""
 
-    def __init__(self, arguments: list[str], served_name: str, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, arguments: list[str], served_name: str, max_model_len: int, max_num_seqs: int,
+                 settings_environment: Mapping[str, str] | None = None) -> None:
+        """`settings_environment`: the NIM_* settings vLLM reads from its environment, under vLLM's names."""
         self.arguments, self.served_name = arguments, served_name
+        self.settings_environment = dict(settings_environment or {})
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.app: Any = None  # vLLM's ASGI stack below the contract, set by `attach`
         self.root_app: Any = None  # vLLM's FastAPI app (its state holds the engine client)
@@ -125,8 +128,15 @@ class VllmServer(PassthroughEngine):
     def describe(self) -> str:
         """The command line vLLM's docs would give for this: the environment the runtime sets for
         vLLM's processes, then `vllm serve` and its arguments."""
-        variables = "".join(f"{name}={shlex.quote(value)} " for name, value in vllm_environment(os.environ).items())
+        variables = "".join(f"{name}={shlex.quote(value)} " for name, value in self.environment(os.environ).items())
         return variables + "vllm serve " + shlex.join(self.arguments)
+
+    def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """What the runtime sets for vLLM's processes: the settings vLLM reads from its environment
+        (a variable of vLLM's own already set wins, as NIM_PASSTHROUGH_ARGS does), then what its
+        docs give (`vllm_environment`)."""
+        own = {name: value for name, value in self.settings_environment.items() if name not in environ}
+        return {**own, **vllm_environment(environ)}
 
     def attach(self, app: Any, root_app: Any) -> None:
         self.app, self.root_app = app, root_app
@@ -296,7 +306,7 @@ def serve(settings: Settings, selection: Selection) -> int:
     Resolved(settings, selection.profile.id, selection.model_dir, selection.verification).write(private / "runtime.json")
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(private, settings))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home, and no writes to ~/.config
-    os.environ.update(vllm_environment(os.environ))
+    os.environ.update(engine.environment(os.environ))
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     log.info("serving with vLLM: %s", engine.describe())

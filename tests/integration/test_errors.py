@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from service.launcher import ServerProcess
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -246,6 +248,13 @@ def test_more_stop_strings_than_openai_takes_is_a_400_naming_the_limit(server, r
     error = assert_openai_error(httpx.post(server.url + route, json=body(stop=["x"] * 5)), 400, "stop")
     assert "at most 4" in error["message"]
     assert httpx.post(server.url + route, json=body(stop=["x"] * 4, max_tokens=2)).status_code == 200
+
+
+def test_nim_max_stop_strings_sets_the_bound(tiny_model_dir, tmp_path):
+    with ServerProcess(["--model", str(tiny_model_dir)], env={"NIM_MAX_STOP_STRINGS": "6"},
+                       log_path=tmp_path / "service.log") as six:
+        assert httpx.post(six.url + COMPLETIONS, json=completion_body(stop=["x"] * 6)).status_code == 200
+        assert_openai_error(httpx.post(six.url + COMPLETIONS, json=completion_body(stop=["x"] * 7)), 400, "stop")
 
 
 @pytest.mark.parametrize("body,param", [

@@ -421,12 +421,22 @@ def ready(url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def bounded(docker_client, vllm_image):
-    """One request in flight, none waiting, JSON logs; the runtime as PID 1's child (`start_supervised`)."""
+    """One request in flight, none waiting, JSON logs, 6 stop strings a request; the runtime as PID 1's
+    child (`start_supervised`)."""
     container, url = start_supervised(docker_client, vllm_image, env={
-        "NIM_MAX_NUM_SEQS": "1", "NIM_MAX_QUEUE": "0", "NIM_JSONL_LOGGING": "1"})
+        "NIM_MAX_NUM_SEQS": "1", "NIM_MAX_QUEUE": "0", "NIM_JSONL_LOGGING": "1", "NIM_MAX_STOP_STRINGS": "6"})
     wait_for(lambda: True if ready(url) == 200 else None, START_TIMEOUT_S, "readiness")
     yield container, url
     container.remove(force=True)
+
+
+def test_nim_max_stop_strings_is_vllms_bound(bounded, served):
+    """vLLM takes VLLM_MAX_STOP_STRINGS stop strings (4 by default); NIM_MAX_STOP_STRINGS sets it."""
+    for url, allowed in ((served.url, 4), (bounded[1], 6)):
+        for count in (allowed, allowed + 1):
+            reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(count)]})
+            assert reply.status_code == (200 if count == allowed else 400), (url, count, reply.text[:300])
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_every_log_line_is_json(bounded):

@@ -581,6 +581,16 @@ def test_the_dry_run_line_names_the_environment_vllms_processes_get(tmp_path, mo
     assert server.describe() == "vllm serve --model '/models/my model'"
 
 
+def test_the_settings_vllm_reads_from_its_environment_reach_it_unless_its_own_variable_is_set(monkeypatch):
+    from service.engine.vllm_server import VllmServer
+
+    monkeypatch.setattr("service.engine.vllm_server.vllm_build", lambda: "cuda")
+    monkeypatch.delenv("VLLM_MAX_STOP_STRINGS", raising=False)
+    server = VllmServer(["--model", "m"], "m", 4096, 16, {"VLLM_MAX_STOP_STRINGS": "6"})
+    assert server.describe() == "VLLM_MAX_STOP_STRINGS=6 vllm serve --model m"
+    assert server.environment({"VLLM_MAX_STOP_STRINGS": "9"}) == {}
+
+
 @pytest.mark.parametrize("verification", [None, Verification("verified", key="ab" * 32, artifact="oci://r/m@sha256:" + "0" * 64)])
 def test_what_the_launcher_resolved_reaches_vllms_processes_as_it_was(tmp_path, monkeypatch, verification):
     monkeypatch.delenv(RUNTIME_FILE_ENV, raising=False)
