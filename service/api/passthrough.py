@@ -29,7 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
 from service.admission import Admission
-from service.api.errors import RETRY_AFTER_SECONDS, ServingError
+from service.api.errors import RETRY_AFTER_SECONDS, ServingError, from_exception
 from service.api.middleware import send_error
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine, RequestTooLargeError
@@ -199,7 +199,7 @@ def _too_large(path: str, payload: dict | None, admission: Admission) -> Serving
     try:
         admission.check_size(prompts, n, together=False)
     except RequestTooLargeError as exc:
-        return ServingError(400, str(exc), exc.param)
+        return from_exception(exc)
     return None
 
 
