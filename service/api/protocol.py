@@ -174,11 +174,6 @@ class ChatMessage(OpenAIBase):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
 
 class FunctionDefinition(OpenAIBase):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")

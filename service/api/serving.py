@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 
 from service.adapters import Adapter, AdapterRegistry
 from service.admission import Admission
+from service.api.chat_messages import template_messages
 from service.api.encoding import prompt_encoder
 from service.api.errors import ServingError, bad_request, from_exception, sse_error
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
@@ -164,14 +165,7 @@ class OpenAIServing:
         return functions
 
     def _chat_prompt(self, req: ChatCompletionRequest, functions: list[dict] | None) -> list[int]:
-        messages = []
-        for m in req.messages:
-            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
+        messages = template_messages(req.messages)
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
         try:
             return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,

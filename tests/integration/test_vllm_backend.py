@@ -227,6 +227,26 @@ def test_vllms_penalties_and_min_p_decode_alike_on_both_engines(oai, server):
         assert texts[0] == texts[1], extra
 
 
+def test_a_conversation_renders_the_same_prompt_on_both_engines(oai, server):
+    """Text parts, an earlier turn's tool call (its arguments as compact JSON, which the template
+    writes as an object, and as JSON that is not one) and its result: the same prompt tokens and the
+    same greedy text from vLLM's image and the torch runtime."""
+    torch_client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    parts = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat on"}]
+
+    def called(arguments: str) -> list[dict]:
+        return [{"role": "user", "content": "book it", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "book", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": parts}]
+
+    for messages in ([{"role": "user", "content": parts}], called('{"city":"Paris","n":[1,2]}'), called("{not json")):
+        replies = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+                   for client in (oai, torch_client)]
+        assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens, messages
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content, messages
+
+
 INSPECTED_AT_BUILD = """
 import json, os
 from unittest import mock

@@ -1,0 +1,57 @@
+"""A chat request's messages as chat templates take them, as vLLM gives them to templates (pure logic,
+and one template rendered by transformers on the tiny model's tokenizer)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+
+from factory.tinymodel import ensure_tiny_model
+from service.api.chat_messages import template_messages
+from service.api.protocol import ChatMessage
+
+# How Llama 3.1's template writes an earlier turn's tool call: the arguments through `tojson`.
+TOJSON_TEMPLATE = ("{% for m in messages %}{% for call in m.tool_calls or [] %}"
+                   "{{ call.function.name }}{{ call.function.arguments | tojson }};{% endfor %}{% endfor %}")
+
+
+def call_with(arguments: str) -> dict:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "book", "arguments": arguments}}]}
+
+
+def rendered(*messages: dict) -> list[dict]:
+    return template_messages([ChatMessage.model_validate(m) for m in messages])
+
+
+def test_text_parts_join_with_newlines_and_names_and_ids_are_kept():
+    [user, tool] = rendered({"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]},
+                            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"}]})
+    assert user == {"role": "user", "content": "a\nb", "name": "ann"}
+    assert tool == {"role": "tool", "content": "done", "tool_call_id": "c1"}
+    assert rendered({"role": "developer", "content": "be brief"}) == [{"role": "system", "content": "be brief"}]
+
+
+def test_tool_call_arguments_go_to_the_template_as_an_object():
+    [message] = rendered(call_with('{"city":"Paris","n":{"a":[1,2]}}'))
+    assert message["content"] == ""
+    assert message["tool_calls"] == [{"id": "c1", "type": "function",
+                                      "function": {"name": "book", "arguments": {"city": "Paris", "n": {"a": [1, 2]}}}}]
+
+
+@pytest.mark.parametrize("arguments", ["", "{not json", "[1, 2]", "42", "null"])
+def test_arguments_that_are_no_json_object_become_empty_as_in_vllm(arguments, caplog):
+    caplog.set_level(logging.INFO, logger="service.api.chat_messages")
+    [message] = rendered(call_with(arguments))
+    assert message["tool_calls"][0]["function"]["arguments"] == {}
+    assert bool(caplog.records) == (arguments != "")  # an empty string is "no arguments", nothing to say
+
+
+def test_a_tojson_template_writes_the_arguments_once_not_as_a_quoted_string():
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    text = tokenizer.apply_chat_template(rendered(call_with('{"city": "Paris"}')), chat_template=TOJSON_TEMPLATE,
+                                         tokenize=False)
+    assert text == 'book{"city": "Paris"};'
