@@ -5,6 +5,7 @@ Llama 3's writes them with `tojson`, which would quote a JSON string again), a m
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 
@@ -15,6 +16,22 @@ log = logging.getLogger(__name__)
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return [_template_message(m) for m in messages]
+
+
+def reserved_template_names(tokenizer) -> frozenset[str]:
+    """What a request's chat_template_kwargs may not set: the tokenizer's apply_chat_template's own
+    parameters (tokenize, return_dict, ...: not the template's) and what it renders the template with
+    (messages), which a request sets through its own fields."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD) | {"messages"}
+
+
+def template_kwargs(given: dict | None, reserved: frozenset[str]) -> dict:
+    """A request's chat_template_kwargs, for the template; ValueError naming a reserved one."""
+    if refused := sorted(set(given or ()) & reserved):
+        raise ValueError(f"{', '.join(refused)} cannot be set here: "
+                         "the request's own fields (messages, tools, add_generation_prompt, ...) set them")
+    return dict(given or {})
 
 
 def _template_message(m: ChatMessage) -> dict:

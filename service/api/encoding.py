@@ -16,13 +16,14 @@ from collections.abc import Callable
 # tokens' text goes between two copies of it.
 PROBE = " Hello world!  The year 2026, naïve café — 東京 \n\n\ttabs\tand  spaces. "
 
-Encoder = Callable[[str], list[int]]
+Encoder = Callable[[str, bool], list[int]]
 
 
 def prompt_encoder(tokenizer) -> Encoder:
-    """`lambda text: tokenizer(text)["input_ids"]`, through the Rust backend where that is the same."""
-    def slow(text: str) -> list[int]:
-        return tokenizer(text)["input_ids"]
+    """`lambda text, special: tokenizer(text, add_special_tokens=special)["input_ids"]`, through the
+    Rust backend where that is the same."""
+    def slow(text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
@@ -34,9 +35,9 @@ def prompt_encoder(tokenizer) -> Encoder:
     own.no_padding()
     own.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
 
-    def fast(text: str) -> list[int]:
-        return own.encode_batch_fast([text])[0].ids
+    def fast(text: str, add_special_tokens: bool = True) -> list[int]:
+        return own.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     specials = "".join(str(token) for token in getattr(tokenizer, "all_special_tokens", []))
     probe = PROBE + specials + PROBE
-    return fast if fast(probe) == slow(probe) else slow
+    return fast if all(fast(probe, special) == slow(probe, special) for special in (True, False)) else slow

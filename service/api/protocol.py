@@ -140,6 +140,8 @@ class SamplingFields(OpenAIBase):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
         None, description="Extension (vLLM's): drop the tokens less likely than this times the likeliest's "
                           "probability (0 = off).")
+    include_stop_str_in_output: bool = Field(
+        False, description="Extension (vLLM's): keep the stop string that ended a choice at the end of its text.")
 
     @field_validator("stream_options")
     @classmethod
@@ -207,6 +209,23 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = Field(
+        True, description="Extension (vLLM's): end the prompt with the chat template's cue for the assistant's turn.")
+    continue_final_message: bool = Field(
+        False, description="Extension (vLLM's): leave the final message open for the model to continue (a prefill "
+                           "of the assistant's reply); needs add_generation_prompt false.")
+    add_special_tokens: bool = Field(
+        False, description="Extension (vLLM's): add the tokenizer's special tokens (BOS) to the rendered prompt, "
+                           "beside those the chat template writes.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's): more variables for the chat template, such as enable_thinking.")
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _open_or_cued(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):  # vLLM's rule: the prompt ends one way
+            raise ValueError("cannot be true while add_generation_prompt is true")
+        return value
 
 
 class ChatLogprobTop(ResponseBase):
@@ -320,6 +339,8 @@ class CompletionRequest(SamplingFields):
     logprobs: LogprobCount | None = None
     max_tokens: PositiveInt | None = 16
     suffix: str | None = None
+    add_special_tokens: bool = Field(
+        True, description="Extension (vLLM's): add the tokenizer's special tokens (BOS) to a text prompt.")
 
 
 class CompletionLogprobs(ResponseBase):

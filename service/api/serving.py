@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 
 from service.adapters import Adapter, AdapterRegistry
 from service.admission import Admission
-from service.api.chat_messages import template_messages
+from service.api.chat_messages import reserved_template_names, template_kwargs, template_messages
 from service.api.encoding import prompt_encoder
 from service.api.errors import ServingError, bad_request, from_exception, sse_error
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
@@ -106,6 +106,7 @@ class OpenAIServing:
         self.admission, self.adapters, self.tool_call_parser = admission, adapters, tool_call_parser
         self.defaults, self.max_stop_strings = defaults or {}, max_stop_strings
         self._encode = prompt_encoder(tokenizer)
+        self._reserved = reserved_template_names(tokenizer)
         # Prompts are rendered and encoded here, not on the event loop: 2 MB of text took the tiny
         # model's tokenizer 1.8 s, every stream of the server waiting. One thread, as vLLM's
         # tokenizer executor: requests are encoded in the order they came.
@@ -165,13 +166,27 @@ class OpenAIServing:
         return functions
 
     def _chat_prompt(self, req: ChatCompletionRequest, functions: list[dict] | None) -> list[int]:
-        messages = template_messages(req.messages)
+        """The conversation rendered by the model's chat template, then encoded as vLLM encodes it
+        (apply_chat_template's own encoding is the same call without special tokens)."""
+        try:
+            variables = template_kwargs(req.chat_template_kwargs, self._reserved)
+        except ValueError as exc:
+            raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
         try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
+            text = self.tokenizer.apply_chat_template(
+                template_messages(req.messages), tools=tools, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                **variables)
         except TemplateError as exc:  # the template's own refusal (a role order it does not take)
             raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
+        except (ValueError, TypeError, LookupError, AttributeError) as exc:  # what the request's values did to it
+            param = ("chat_template_kwargs" if req.chat_template_kwargs else
+                     "continue_final_message" if req.continue_final_message else "messages")
+            raise bad_request(f"the model's chat template cannot render this request: {exc}", param) from None
+        if not (ids := self._encode(text, req.add_special_tokens)):
+            raise bad_request("the chat template rendered the messages as no tokens", "messages")
+        return ids
 
     def _chat_constraint(self, req: ChatCompletionRequest, functions: list[dict] | None) -> tuple[Constraint | None, str]:
         """The one constraint a chat request may carry, and the parameter that named it."""
@@ -286,7 +301,7 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        prompts = await self._tokenized(self._completion_prompts, req.prompt, req.n)
+        prompts = await self._tokenized(self._completion_prompts, req.prompt, req.n, req.add_special_tokens)
         fields = req.structured_outputs
         constraint = self._constraint("structured_outputs", lambda: self._structured(fields)) if fields else None
         grammar = await self._compile(constraint, "structured_outputs")
@@ -332,7 +347,7 @@ class OpenAIServing:
             result.append(entry)
         return result
 
-    def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int, add_special_tokens: bool) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts = [prompt]
         elif not prompt:
@@ -346,7 +361,9 @@ class OpenAIServing:
         token_lists = []
         for item in prompts:
             if isinstance(item, str):
-                token_lists.append(self._encode(item))
+                if not (ids := self._encode(item, add_special_tokens)):
+                    raise bad_request("the prompt has no tokens (an empty text, without special tokens)", "prompt")
+                token_lists.append(ids)
                 continue
             if not item or any(not 0 <= t < vocab for t in item):
                 raise bad_request(f"token prompts must be non-empty with ids in [0, {vocab})", "prompt")
@@ -442,7 +459,8 @@ class OpenAIServing:
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
             top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
-            stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            stop=tuple(stop), include_stop_str_in_output=req.include_stop_str_in_output,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
             frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],
             logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)

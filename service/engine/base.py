@@ -22,6 +22,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends a choice stays in its text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token plus k alternatives

@@ -164,7 +164,7 @@ class SequenceOutput:
         if not hits:
             return False
         pos, stop = min(hits)
-        self.text = self.text[:pos]
+        self.text = self.text[:pos + len(stop) if self.params.include_stop_str_in_output else pos]
         delta.stop_reason = stop
         return True
 

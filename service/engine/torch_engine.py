@@ -287,7 +287,9 @@ class TorchEngine(Engine):
         if request.adapter and not self.lora:
             raise EngineError("this engine serves no LoRA adapters (NIM_PEFT_SOURCE)")
         params, prompt = request.params, request.prompt_token_ids
-        if prompt and max(prompt) >= self.vocab_size:  # a tokenizer may know more ids than the model has rows
+        if not prompt:  # nothing to compute a first token from: the scheduler would never run it
+            raise RequestTooLargeError("the prompt has no tokens; a model generates from at least one", "prompt")
+        if max(prompt) >= self.vocab_size:  # a tokenizer may know more ids than the model has rows
             raise RequestTooLargeError(f"prompt token id {max(prompt)} is past this model's vocabulary of "
                                        f"{self.vocab_size} embedding rows")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))

@@ -368,3 +368,14 @@ async def test_a_prompt_id_past_the_models_embedding_rows_is_refused_and_the_eng
         assert len(within[0]) == 3
     finally:
         await engine.shutdown()
+
+
+async def test_an_empty_prompt_is_refused_and_takes_no_place(engine):
+    """A prompt of no tokens (an empty text from a tokenizer without BOS, or without special tokens)
+    has nothing to compute a first token from: it was queued and never ran, holding its client for
+    as long as the client waited."""
+    with pytest.raises(RequestTooLargeError, match="no tokens"):
+        engine.generate(GenerationRequest("empty", [], SamplingParams(max_tokens=3)))
+    assert engine.stats().waiting == engine.stats().running == 0
+    after = await collect(engine, request(engine, PAIRS[0][0], temperature=0, max_tokens=2))
+    assert len(after[0]) == 2

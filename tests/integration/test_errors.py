@@ -74,6 +74,12 @@ def test_wrong_types(server, route, body, param):
     (COMPLETIONS, completion_body(stop=[""]), "stop"),
     (COMPLETIONS, completion_body(prompt=[]), "prompt"),
     (COMPLETIONS, completion_body(prompt=[99999]), "prompt"),
+    (COMPLETIONS, completion_body(prompt="", add_special_tokens=False), "prompt"),  # no tokens: it hung
+    (COMPLETIONS, completion_body(prompt=["a", ""], add_special_tokens=False), "prompt"),
+    (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # with add_generation_prompt
+    (CHAT, chat_body(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+    (CHAT, chat_body(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (CHAT, chat_body(chat_template_kwargs={"eos_token": 5}), "chat_template_kwargs"),  # the template adds it to text
     (COMPLETIONS, completion_body(logit_bias={"word": 1}), "logit_bias"),
     (COMPLETIONS, completion_body(logit_bias={"5": 1000}), "logit_bias"),
     (COMPLETIONS, completion_body(frequency_penalty=3), "frequency_penalty"),

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from factory.tinymodel import ensure_tiny_model
-from service.api.chat_messages import template_messages
-from service.api.protocol import ChatMessage
+from service.api.chat_messages import reserved_template_names, template_kwargs, template_messages
+from service.api.protocol import ChatCompletionRequest, ChatMessage
 
 # How Llama 3.1's template writes an earlier turn's tool call: the arguments through `tojson`.
 TOJSON_TEMPLATE = ("{% for m in messages %}{% for call in m.tool_calls or [] %}"
@@ -55,3 +56,21 @@ def test_a_tojson_template_writes_the_arguments_once_not_as_a_quoted_string():
     text = tokenizer.apply_chat_template(rendered(call_with('{"city": "Paris"}')), chat_template=TOJSON_TEMPLATE,
                                          tokenize=False)
     assert text == 'book{"city": "Paris"};'
+
+
+def test_template_kwargs_may_not_set_what_the_request_or_the_call_sets():
+    reserved = reserved_template_names(AutoTokenizer.from_pretrained(ensure_tiny_model()))
+    assert {"messages", "tools", "add_generation_prompt", "tokenize", "return_dict", "chat_template"} <= reserved
+    assert template_kwargs({"enable_thinking": False, "bos_token": ""}, reserved) == {"enable_thinking": False,
+                                                                                      "bos_token": ""}
+    assert template_kwargs(None, reserved) == {}
+    with pytest.raises(ValueError, match="messages, tokenize cannot be set here"):
+        template_kwargs({"tokenize": True, "messages": [], "x": 1}, reserved)
+
+
+def test_a_prompt_ends_open_or_cued_not_both():
+    base = {"model": "m", "messages": [{"role": "assistant", "content": "Sure"}]}
+    assert ChatCompletionRequest.model_validate({**base, "add_generation_prompt": False,
+                                                 "continue_final_message": True}).continue_final_message
+    with pytest.raises(ValidationError, match="continue_final_message"):
+        ChatCompletionRequest.model_validate({**base, "continue_final_message": True})

@@ -11,6 +11,8 @@ def test_the_fast_path_gives_transformers_ids(tokenizer):
     assert encode.__name__ == "fast", "the bundled tokenizer's backend agrees with transformers on the probe"
     for text in TEXTS:
         assert encode(text) == tokenizer(text)["input_ids"], text
+        assert encode(text, False) == tokenizer(text, add_special_tokens=False)["input_ids"], text
+    assert encode("the", True)[0] == tokenizer.bos_token_id != encode("the", False)[0]
 
 
 def test_it_leaves_the_tokenizer_as_it_was(tokenizer):
@@ -27,8 +29,8 @@ class Wrapped:
     def __init__(self, tokenizer) -> None:
         self.inner, self.backend_tokenizer = tokenizer, tokenizer.backend_tokenizer
 
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": self.inner(text)["input_ids"] + [0]}
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.inner(text, add_special_tokens=add_special_tokens)["input_ids"] + [0]}
 
 
 def test_where_the_backend_disagrees_it_is_transformers(tokenizer):

@@ -75,6 +75,15 @@ def test_stop_string_spanning_tokens_is_held_back(tokenizer):
     assert all("o th" not in d.text for d in deltas)
 
 
+@pytest.mark.parametrize("text, stop, shown", [("Bread is baked from flour and water.", "flour", "Bread is baked from flour"),
+                                                ("one two three four", "o th", "one two th")])
+def test_a_stop_string_kept_in_the_output_ends_it(tokenizer, text, stop, shown):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, nothing after it."""
+    _, deltas = run(tokenizer, text, stop=(stop,), include_stop_str_in_output=True)
+    assert "".join(d.text for d in deltas) == shown
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+
+
 def test_earliest_stop_string_wins(tokenizer):
     _, deltas = run(tokenizer, "alpha beta gamma", stop=("gamma", "beta"))
     assert "".join(d.text for d in deltas) == "alpha " and deltas[-1].stop_reason == "beta"
