@@ -456,8 +456,10 @@ class OpenAIServing:
         chosen = {**NEUTRAL, **self.defaults, **sent}
         if max_tokens is None:
             max_tokens = min(self.defaults.get("max_tokens", limit), limit - longest)
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) must be at most {max_param} ({max_tokens})", "min_tokens")
         return SamplingParams(
-            n=req.n, max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
             top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
             stop=tuple(stop), include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,

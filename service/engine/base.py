@@ -17,6 +17,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: no stop token or string ends a choice before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -41,7 +42,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes the logits before a token is chosen (sampling.process_logits)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass(frozen=True)

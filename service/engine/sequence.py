@@ -140,13 +140,15 @@ class SequenceOutput:
             self.finish_reason, delta.stop_reason = "stop", (token_id if token_id in self.params.stop_token_ids else None)
             self.text += self.detok.flush()
         else:
+            before = len(self.text)
             self.text += self.detok.add(token_id)
-            if self._match_stop_string(delta):
+            if self._match_stop_string(delta, before):
                 self.finish_reason = "stop"
             elif len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
+                before = len(self.text)
                 self.text += self.detok.flush()
-                self._match_stop_string(delta)
+                self._match_stop_string(delta, before)
         delta.text = self._take_text()
         delta.finish_reason = self.finish_reason
         return delta
@@ -156,11 +158,12 @@ class SequenceOutput:
         self.finish_reason = reason
         return ChoiceDelta(self.index, text=self._take_text(), finish_reason=reason)
 
-    def _match_stop_string(self, delta: ChoiceDelta) -> bool:
-        if not self.params.stop:
+    def _match_stop_string(self, delta: ChoiceDelta, before: int) -> bool:
+        """Whether a stop string ends in the text added after `before` characters (as vLLM looks,
+        only once the choice has more than min_tokens tokens); the text is cut at it."""
+        if not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
             return False
-        start = max(0, self.sent - self.hold)
-        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, start)) != -1]
+        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if not hits:
             return False
         pos, stop = min(hits)

@@ -119,6 +119,14 @@ class _RequestState:
         """The logit bias as tensors, made once (sampling.bias_tensors)."""
         return bias_tensors(self.params)
 
+    @functools.cached_property
+    def stop_ids(self) -> torch.Tensor | None:
+        """The ids that would end a choice (its stop and end-of-sequence ids), made once where
+        min_tokens holds them back."""
+        if not self.params.min_tokens or not self.outputs[0].stop_ids:
+            return None
+        return torch.tensor(sorted(self.outputs[0].stop_ids), dtype=torch.long)
+
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -528,7 +536,8 @@ class TorchEngine(Engine):
                 if argmax[row]:
                     token = greedy[row]
                 else:
-                    adjusted = process_logits(logits[row], params, output.token_ids, state.prompt_tokens, state.bias)
+                    adjusted = process_logits(logits[row], params, output.token_ids, state.prompt_tokens, state.bias,
+                                              state.stop_ids)
                     token = sample_token(adjusted, params, state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)

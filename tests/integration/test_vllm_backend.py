@@ -249,7 +249,8 @@ def test_a_conversation_renders_the_same_prompt_on_both_engines(oai, server):
 
 def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server):
     """vLLM's extensions that shape the prompt (a prefill to continue, no generation cue, template
-    variables, special tokens) and keep the stop string: the same prompt tokens, text and finish."""
+    variables, special tokens), keep the stop string and hold stops back (min_tokens): the same
+    prompt tokens, text and finish."""
     torch_client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     prompt, _ = memorised_pairs()[0]
     asked = [{"role": "user", "content": prompt}]
@@ -258,14 +259,17 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
              {"messages": asked, "add_generation_prompt": False},
              {"messages": asked, "chat_template_kwargs": {"bos_token": ""}},  # the tiny template writes it
              {"messages": asked, "add_special_tokens": True},
-             {"messages": asked, "stop": [" ", "e"], "include_stop_str_in_output": True}]
+             {"messages": asked, "stop": [" ", "e"], "include_stop_str_in_output": True},
+             {"messages": asked, "min_tokens": 13, "max_tokens": 16}]  # past the end of sequence at 11
     for extra in chats:
-        replies = [client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=extra["messages"],
-                                                  extra_body={k: v for k, v in extra.items() if k != "messages"})
-                   for client in (oai, torch_client)]
+        replies = [client.chat.completions.create(
+            model=MODEL, max_tokens=extra.get("max_tokens", 12), temperature=0, messages=extra["messages"],
+            extra_body={k: v for k, v in extra.items() if k not in ("messages", "max_tokens")})
+            for client in (oai, torch_client)]
         seen = [(r.usage.prompt_tokens, r.choices[0].message.content, r.choices[0].finish_reason) for r in replies]
         assert seen[0] == seen[1], extra
-    for extra in ({"add_special_tokens": False}, {"stop": ["e"], "include_stop_str_in_output": True}):
+    for extra in ({"add_special_tokens": False}, {"stop": ["e"], "include_stop_str_in_output": True},
+                  {"stop": ["e"], "min_tokens": 6}):  # a stop string from the seventh token on
         replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
                    for client in (oai, torch_client)]
         seen = [(r.usage.prompt_tokens, r.choices[0].text, r.choices[0].finish_reason) for r in replies]

@@ -37,6 +37,14 @@ def test_penalties_follow_openai_definitions():
     assert out.tolist() == [0.0, 0.0, -2.5, -1.5]
 
 
+def test_min_tokens_holds_back_the_stop_ids_until_reached():
+    logits, stops, params = torch.tensor([5.0, 1.0, 4.0]), torch.tensor([0, 2]), SamplingParams(min_tokens=2)
+    held = process_logits(logits, params, [1], stop_ids=stops)
+    assert held.tolist() == [-math.inf, 1.0, -math.inf] and logits.tolist() == [5.0, 1.0, 4.0]
+    assert process_logits(logits, params, [1, 1], stop_ids=stops) is logits  # reached: nothing to change
+    assert params.adjusts_logits, "a greedy request with min_tokens takes no argmax shortcut"
+
+
 def test_repetition_penalty_follows_vllms_definition():
     """Each token of the prompt or the output (a repeat counts once) divided by the penalty where its
     logit is positive, multiplied where not, before the frequency and presence penalties."""

@@ -84,6 +84,18 @@ def test_a_stop_string_kept_in_the_output_ends_it(tokenizer, text, stop, shown):
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
 
 
+def test_stop_strings_count_only_after_min_tokens_as_in_vllm(tokenizer):
+    """vLLM looks for stop strings once a choice has more than min_tokens tokens, and only where they
+    end in the new text: one completed earlier never ends the choice."""
+    ids = tokenizer("one two three four", add_special_tokens=False)["input_ids"]
+    before = len(tokenizer.decode(ids[:3]))
+    assert "one" in tokenizer.decode(ids[:3]) and "four" not in tokenizer.decode(ids[:3])
+    _, deltas = run(tokenizer, "one two three four", stop=("one",), min_tokens=3)
+    assert deltas[-1].finish_reason is None and "".join(d.text for d in deltas).startswith("one two")
+    _, deltas = run(tokenizer, "one two three four", stop=("one", "four"), min_tokens=3)
+    assert deltas[-1].stop_reason == "four" and len("".join(d.text for d in deltas)) >= before
+
+
 def test_earliest_stop_string_wins(tokenizer):
     _, deltas = run(tokenizer, "alpha beta gamma", stop=("gamma", "beta"))
     assert "".join(d.text for d in deltas) == "alpha " and deltas[-1].stop_reason == "beta"
