@@ -1,7 +1,8 @@
 """A chat request's messages as the model's chat template takes them, as vLLM gives them to it, so
 that one conversation renders the same prompt on both engines: a message's text parts joined by
 newlines, a tool call's arguments as an object (transformers' convention for tool-use templates:
-Llama 3's writes them with `tojson`, which would quote a JSON string again), a message's name."""
+Llama 3's writes them with `tojson`, which would quote a JSON string again), a message's name, a
+developer message as a system message where the template does not know the role."""
 
 from __future__ import annotations
 
@@ -14,8 +15,29 @@ from service.api.protocol import ChatMessage, ToolCall
 log = logging.getLogger(__name__)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    return [_template_message(m) for m in messages]
+def template_messages(messages: list[ChatMessage], template: str) -> list[dict]:
+    """The messages for `template` (the chat template's text). A developer message goes as a system
+    message, all system messages then merged into one at the front, where the template does not
+    name the developer role (vLLM's rule: Qwen2.5's would drop the message, Llama 3's would print
+    the unknown role)."""
+    rendered = [_template_message(m) for m in messages]
+    if any(m["role"] == "developer" for m in rendered) and not _knows_developer(template):
+        rendered = _one_system_message([{**m, "role": "system"} if m["role"] == "developer" else m for m in rendered])
+    return rendered
+
+
+def _knows_developer(template: str) -> bool:
+    return '"developer"' in template or "'developer'" in template
+
+
+def _one_system_message(messages: list[dict]) -> list[dict]:
+    """All system messages as one at the front (their texts between blank lines), where there is a
+    later or a second one: some templates take a system message only first."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system or (len(system) == 1 and messages[0] is system[0]):
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(m["content"] for m in system if m["content"])}
+    return [merged, *(m for m in messages if m["role"] != "system")]
 
 
 def reserved_template_names(tokenizer) -> frozenset[str]:
@@ -36,7 +58,7 @@ def template_kwargs(given: dict | None, reserved: frozenset[str]) -> dict:
 
 def _template_message(m: ChatMessage) -> dict:
     content = "\n".join(part.text for part in m.content) if isinstance(m.content, list) else m.content or ""
-    message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    message = {"role": m.role, "content": content}
     if m.name is not None:
         message["name"] = m.name
     if m.tool_calls:

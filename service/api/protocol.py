@@ -174,8 +174,11 @@ class ToolCall(OpenAIBase):
     function: FunctionCall
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(OpenAIBase):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: Text | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -259,7 +262,7 @@ class ResponseToolCall(ResponseBase):
 
 
 class ChatResponseMessage(ResponseBase):
-    role: Literal["assistant"] = "assistant"
+    role: Role = "assistant"  # the last message's, where a request has no generation cue (vLLM's)
     content: str | None = None
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
@@ -313,7 +316,7 @@ class DeltaToolCall(OmitNone):
 
 
 class ChatDelta(ResponseBase):
-    role: Literal["assistant"] | None = None
+    role: Role | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

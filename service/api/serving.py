@@ -133,13 +133,14 @@ class OpenAIServing:
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
+        role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced))
+            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced, role))
         await self._drain(events)
         choices = []
         for i, c in sorted(job.choices.items()):
-            message = self._chat_message(c.text, calls)
+            message = self._chat_message(c.text, calls, role)
             finish = self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                       logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None))
@@ -174,10 +175,10 @@ class OpenAIServing:
             raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
         try:
+            messages = template_messages(req.messages, self.tokenizer.get_chat_template(tools=tools))
             text = self.tokenizer.apply_chat_template(
-                template_messages(req.messages), tools=tools, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                **variables)
+                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **variables)
         except TemplateError as exc:  # the template's own refusal (a role order it does not take)
             raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
         except (ValueError, TypeError, LookupError, AttributeError) as exc:  # what the request's values did to it
@@ -235,21 +236,23 @@ class OpenAIServing:
         except GrammarError as exc:
             raise bad_request(f"{param}: the constraint cannot be compiled: {exc}", param) from None
 
-    def _chat_message(self, text: str, calls: bool) -> ChatResponseMessage:
+    def _chat_message(self, text: str, calls: bool, role: str) -> ChatResponseMessage:
         if not calls:
-            return ChatResponseMessage(content=text)
+            return ChatResponseMessage(role=role, content=text)
         parser = HermesParser()
         content, _ = parser.feed(text)
         rest, _ = parser.finish()
         tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
                       for c in parser.calls]
-        return ChatResponseMessage(content=(content + rest) or (None if tool_calls else ""), tool_calls=tool_calls)
+        return ChatResponseMessage(role=role, content=(content + rest) or (None if tool_calls else ""),
+                                   tool_calls=tool_calls)
 
     @staticmethod
     def _finish_reason(reason: str | None, called: bool) -> str | None:
         return "tool_calls" if reason == "stop" and called else reason
 
-    async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool, forced: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool, forced: bool,
+                           role: str) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
@@ -258,7 +261,7 @@ class OpenAIServing:
         called: set[int] = set()
         try:
             for index in range(job.params.n):
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
             async for index, delta in events:
                 content, tool_deltas = delta.text, []
                 if calls:
@@ -460,8 +463,8 @@ class OpenAIServing:
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) must be at most {max_param} ({max_tokens})", "min_tokens")
         return SamplingParams(
-            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
-            top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=chosen["temperature"],
+            top_p=chosen["top_p"], top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
             stop=tuple(stop), include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],

@@ -229,8 +229,8 @@ def test_vllms_penalties_and_min_p_decode_alike_on_both_engines(oai, server):
 
 def test_a_conversation_renders_the_same_prompt_on_both_engines(oai, server):
     """Text parts, an earlier turn's tool call (its arguments as compact JSON, which the template
-    writes as an object, and as JSON that is not one) and its result: the same prompt tokens and the
-    same greedy text from vLLM's image and the torch runtime."""
+    writes as an object, and as JSON that is not one) and its result, a developer message: the same
+    prompt tokens and the same greedy text from vLLM's image and the torch runtime."""
     torch_client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     parts = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat on"}]
 
@@ -240,7 +240,10 @@ def test_a_conversation_renders_the_same_prompt_on_both_engines(oai, server):
                     {"id": "c1", "type": "function", "function": {"name": "book", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": parts}]
 
-    for messages in ([{"role": "user", "content": parts}], called('{"city":"Paris","n":[1,2]}'), called("{not json")):
+    developer = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the cat"},
+                 {"role": "developer", "content": "be brief"}]  # the tiny template does not name the role
+    for messages in ([{"role": "user", "content": parts}], called('{"city":"Paris","n":[1,2]}'), called("{not json"),
+                     developer):
         replies = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
                    for client in (oai, torch_client)]
         assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens, messages
@@ -266,7 +269,8 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
             model=MODEL, max_tokens=extra.get("max_tokens", 12), temperature=0, messages=extra["messages"],
             extra_body={k: v for k, v in extra.items() if k not in ("messages", "max_tokens")})
             for client in (oai, torch_client)]
-        seen = [(r.usage.prompt_tokens, r.choices[0].message.content, r.choices[0].finish_reason) for r in replies]
+        seen = [(r.usage.prompt_tokens, r.choices[0].message.role, r.choices[0].message.content,
+                 r.choices[0].finish_reason) for r in replies]  # the role: the last message's without a cue
         assert seen[0] == seen[1], extra
     for extra in ({"add_special_tokens": False}, {"stop": ["e"], "include_stop_str_in_output": True},
                   {"stop": ["e"], "min_tokens": 6},  # a stop string from the seventh token on

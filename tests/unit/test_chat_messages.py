@@ -23,8 +23,8 @@ def call_with(arguments: str) -> dict:
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "book", "arguments": arguments}}]}
 
 
-def rendered(*messages: dict) -> list[dict]:
-    return template_messages([ChatMessage.model_validate(m) for m in messages])
+def rendered(*messages: dict, template: str = "") -> list[dict]:
+    return template_messages([ChatMessage.model_validate(m) for m in messages], template)
 
 
 def test_text_parts_join_with_newlines_and_names_and_ids_are_kept():
@@ -33,7 +33,20 @@ def test_text_parts_join_with_newlines_and_names_and_ids_are_kept():
                             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"}]})
     assert user == {"role": "user", "content": "a\nb", "name": "ann"}
     assert tool == {"role": "tool", "content": "done", "tool_call_id": "c1"}
-    assert rendered({"role": "developer", "content": "be brief"}) == [{"role": "system", "content": "be brief"}]
+
+
+def test_developer_messages_are_system_messages_where_the_template_does_not_know_them():
+    """vLLM's rule: converted, and every system message merged into one at the front."""
+    conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                    {"role": "developer", "content": "d"}]
+    assert rendered(*conversation) == [{"role": "system", "content": "s\n\nd"}, {"role": "user", "content": "u"}]
+    assert rendered({"role": "developer", "content": "d"}, {"role": "user", "content": "u"}) == [
+        {"role": "system", "content": "d"}, {"role": "user", "content": "u"}]
+    knows = "{% if m.role == 'developer' %}"
+    assert [m["role"] for m in rendered(*conversation, template=knows)] == ["system", "user", "developer"]
+    late = [{"role": "user", "content": "u"}, {"role": "system", "content": "s"}]
+    assert rendered(*late) == [{"role": "user", "content": "u"}, {"role": "system", "content": "s"}], \
+        "without a developer message, nothing moves"
 
 
 def test_tool_call_arguments_go_to_the_template_as_an_object():
