@@ -445,9 +445,8 @@ class OpenAIServing:
             raise bad_request(f"this model's maximum context length is {limit} tokens; {longest} prompt tokens plus "
                               f"{max_param}={max_tokens} exceed it", max_param)
         vocab = len(self.tokenizer)
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            if any(t >= vocab for t in getattr(req, name) or ()):
-                raise bad_request(f"{name} must be token ids of this model, in [0, {vocab})", name)
+        if any(t >= vocab for t in req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be token ids of this model, in [0, {vocab})", "stop_token_ids")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -469,8 +468,7 @@ class OpenAIServing:
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
             frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],
-            logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs,
-            allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))))
+            logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         result, vocab = [], len(self.tokenizer)
