@@ -116,7 +116,8 @@ class PassthroughApp:
         if body is None:
             return  # the client went away before its request was read
         payload = _object(body) if path in CONSTRAINED else None  # 3.7 us for a 1 KB body
-        if (refused := _refused_before_the_engine(path, payload) or _too_large(path, payload, rt.admission)) is not None:
+        if (refused := _refused_before_the_engine(path, payload) or _no_tokens(path, payload)
+                or _too_large(path, payload, rt.admission)) is not None:
             return await send_error(send, refused)
         generates = PASSED[path]
         body, keep_usage = _asking_for_usage(body, payload, generates and path != "/v1/responses")
@@ -181,6 +182,18 @@ def _refused_before_the_engine(path: str, payload: dict | None) -> ServingError 
         tools = len(value) if param == "tools" and isinstance(value, list) else 0  # vLLM's `required`: a union of them
         if (reason := width_refused(grammars, tools + alternatives(value))) is not None:
             return ServingError(400, f"{param}: the constraint cannot be compiled: {reason}", param)
+    return None
+
+
+def _no_tokens(path: str, payload: dict | None) -> ServingError | None:
+    """The torch runtime's 400 for a completions text prompt of no tokens (an empty text without
+    special tokens): vLLM 0.32 takes it, then fails inside a stream's generator (an ERROR with a
+    traceback in its log, an error event after a 200 to the client)."""
+    if path != "/v1/completions" or payload is None or _flag(payload.get("add_special_tokens", True)) is not False:
+        return None
+    prompt = payload.get("prompt")
+    if "" in ([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []):
+        return ServingError(400, "the prompt has no tokens (an empty text, without special tokens)", "prompt")
     return None
 
 

@@ -175,6 +175,8 @@ def test_streams_asked_for_in_vllms_lax_booleans_are_counted(served):
     ({"model": MODEL, "prompt": "x", "structured_outputs": [None, None]}, "structured_outputs not an object"),
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": "usage"}, "stream_options not an object"),
     ({"model": MODEL, "prompt": "x", "n": 10**6}, "more sequences than any wait admits"),
+    ({"model": MODEL, "prompt": ["x", ""], "stream": True, "add_special_tokens": "false"},
+     "a prompt of no tokens (vLLM fails inside the stream)"),
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "maybe"}},
      "include_usage not a boolean"),
     (b'{"model": "tiny-llama", "prompt": "x", "stream": true, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
