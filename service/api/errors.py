@@ -42,6 +42,19 @@ def bad_request(message: str, param: str | None = None) -> ServingError:
     return ServingError(400, message, param)
 
 
+def empty_prompt() -> ServingError:
+    """A completions text prompt of no tokens (an empty text without special tokens): the torch
+    runtime would queue it forever; vLLM 0.32 fails inside the stream. Both runtimes refuse it."""
+    return bad_request("the prompt has no tokens (an empty text, without special tokens)", "prompt")
+
+
+def allowed_beside(param: str) -> ServingError:
+    """allowed_token_ids beside a constraint of the reply (`param`): where the two admit no common
+    token, vLLM 0.32 samples a token the grammar rejects and answers 500. Both runtimes refuse it."""
+    return bad_request(f"allowed_token_ids cannot be combined with {param}: both restrict the reply's tokens",
+                       "allowed_token_ids")
+
+
 def error_response(error: ServingError) -> JSONResponse:
     return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
 

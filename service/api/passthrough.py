@@ -29,7 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
 from service.admission import Admission
-from service.api.errors import RETRY_AFTER_SECONDS, ServingError, from_exception
+from service.api.errors import RETRY_AFTER_SECONDS, ServingError, allowed_beside, empty_prompt, from_exception
 from service.api.middleware import send_error
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine, RequestTooLargeError
@@ -52,6 +52,7 @@ NOT_ENDING = b'"finish_reason":null'  # a chat or completions event of a choice 
 # as the parse of a 1 KB body (3.7 us) and miss keys written with escapes ("any\u004ff").
 CONSTRAINED = {"/v1/chat/completions": ("structured_outputs", "response_format", "tools"),
                "/v1/completions": ("structured_outputs", "response_format"), "/v1/responses": ("text", "tools")}
+ALLOWED_TOKEN_ROUTES = ("/v1/chat/completions", "/v1/completions")  # where vLLM takes allowed_token_ids
 LAX_BOOL = TypeAdapter(bool)  # how vLLM's request models read a boolean: "true", "no", 1, 0.0 too
 LAX_INT = TypeAdapter(int)  # and an integer: "3", 3.0
 
@@ -117,7 +118,7 @@ class PassthroughApp:
             return  # the client went away before its request was read
         payload = _object(body) if path in CONSTRAINED else None  # 3.7 us for a 1 KB body
         if (refused := _refused_before_the_engine(path, payload) or _no_tokens(path, payload)
-                or _too_large(path, payload, rt.admission)) is not None:
+                or _allowed_beside_constraint(path, payload) or _too_large(path, payload, rt.admission)) is not None:
             return await send_error(send, refused)
         generates = PASSED[path]
         body, keep_usage = _asking_for_usage(body, payload, generates and path != "/v1/responses")
@@ -193,7 +194,23 @@ def _no_tokens(path: str, payload: dict | None) -> ServingError | None:
         return None
     prompt = payload.get("prompt")
     if "" in ([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []):
-        return ServingError(400, "the prompt has no tokens (an empty text, without special tokens)", "prompt")
+        return empty_prompt()
+    return None
+
+
+def _allowed_beside_constraint(path: str, payload: dict | None) -> ServingError | None:
+    """The torch runtime's 400 for allowed_token_ids beside a constraint of the reply (errors.allowed_beside):
+    a JSON schema, a choice or a required tool call whose tokens the allowed ids leave out is a 500 from
+    vLLM 0.32 (its grammar rejects the token sampled from nothing)."""
+    if payload is None or payload.get("allowed_token_ids") is None or path not in ALLOWED_TOKEN_ROUTES:
+        return None
+    fmt = payload.get("response_format")
+    if payload.get("structured_outputs") is not None:
+        return allowed_beside("structured_outputs")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        return allowed_beside("response_format")
+    if path == "/v1/chat/completions" and payload.get("tools") and payload.get("tool_choice") != "none":
+        return allowed_beside("tools")
     return None
 
 

@@ -142,6 +142,8 @@ class SamplingFields(OpenAIBase):
                           "probability (0 = off).")
     include_stop_str_in_output: bool = Field(
         False, description="Extension (vLLM's): keep the stop string that ended a choice at the end of its text.")
+    allowed_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="Extension (vLLM's): the only token ids a choice may take.")
     min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] = Field(
         0, description="Extension (vLLM's): generate at least this many tokens before a stop token or string may "
                        "end a choice.")

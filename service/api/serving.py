@@ -19,7 +19,7 @@ from service.adapters import Adapter, AdapterRegistry
 from service.admission import Admission
 from service.api.chat_messages import reserved_template_names, template_kwargs, template_messages
 from service.api.encoding import prompt_encoder
-from service.api.errors import ServingError, bad_request, from_exception, sse_error
+from service.api.errors import ServingError, allowed_beside, bad_request, empty_prompt, from_exception, sse_error
 from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprob,
                                   ChatLogprobTop, ChatResponseMessage, CompletionChoice, CompletionLogprobs,
@@ -204,6 +204,8 @@ class OpenAIServing:
             given.append(("tools", lambda: tool_constraint(functions, choice or "auto", parallel)))
         if len(given) > 1:
             raise bad_request(f"{given[0][0]} and {given[1][0]} each constrain the reply; give one", given[1][0])
+        if given and req.allowed_token_ids is not None:
+            raise allowed_beside(given[0][0])
         return (self._constraint(*given[0]), given[0][0]) if given else (None, "")
 
     @staticmethod
@@ -306,6 +308,8 @@ class OpenAIServing:
             raise bad_request("best_of other than n is not supported", "best_of")
         prompts = await self._tokenized(self._completion_prompts, req.prompt, req.n, req.add_special_tokens)
         fields = req.structured_outputs
+        if fields and req.allowed_token_ids is not None:
+            raise allowed_beside("structured_outputs")
         constraint = self._constraint("structured_outputs", lambda: self._structured(fields)) if fields else None
         grammar = await self._compile(constraint, "structured_outputs")
         scored = req.logprobs if req.echo else None  # echo with logprobs scores the prompt (lm-eval's loglikelihood)
@@ -365,7 +369,7 @@ class OpenAIServing:
         for item in prompts:
             if isinstance(item, str):
                 if not (ids := self._encode(item, add_special_tokens)):
-                    raise bad_request("the prompt has no tokens (an empty text, without special tokens)", "prompt")
+                    raise empty_prompt()
                 token_lists.append(ids)
                 continue
             if not item or any(not 0 <= t < vocab for t in item):
@@ -445,8 +449,9 @@ class OpenAIServing:
             raise bad_request(f"this model's maximum context length is {limit} tokens; {longest} prompt tokens plus "
                               f"{max_param}={max_tokens} exceed it", max_param)
         vocab = len(self.tokenizer)
-        if any(t >= vocab for t in req.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids must be token ids of this model, in [0, {vocab})", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(req, name) or ()):
+                raise bad_request(f"{name} must be token ids of this model, in [0, {vocab})", name)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -468,7 +473,8 @@ class OpenAIServing:
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
             frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],
-            logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs)
+            logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))))
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         result, vocab = [], len(self.tokenizer)

@@ -32,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: over the prompt's and the output's tokens
     min_p: float = 0.0  # vLLM's: tokens below min_p times the likeliest's probability are dropped
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: () = every token; else only these may be chosen
     prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus k alternatives
 
     @property
@@ -42,7 +43,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes the logits before a token is chosen (sampling.process_logits)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids)
 
 
 @dataclass(frozen=True)

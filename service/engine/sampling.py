@@ -45,18 +45,24 @@ def bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | 
 def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
                    prompt_tokens: torch.Tensor | None = None,
                    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   stop_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   stop_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the logit bias (`bias_tensors`, made here unless given), then vLLM's repetition penalty
     (over `prompt_tokens`, the prompt's distinct ids, and the output's), then the frequency and
     presence penalties (OpenAI's definitions, over the output's), in vLLM's order, to a [vocab]
     float32 row: a copy, or the row itself where there are none. Below `params.min_tokens` output
-    tokens, `stop_ids` (the choice's stop and end-of-sequence ids) cannot be chosen, as in vLLM."""
+    tokens, `stop_ids` (the choice's stop and end-of-sequence ids) cannot be chosen, and where
+    `allowed` is given (vLLM's allowed_token_ids) no other token can, as in vLLM."""
     penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
     repeated = params.repetition_penalty != 1.0 and (output_ids or prompt_tokens is not None)
     held = stop_ids is not None and len(output_ids) < params.min_tokens
-    if not params.logit_bias and not penalized and not repeated and not held:
+    if not params.logit_bias and not penalized and not repeated and not held and allowed is None:
         return logits
     logits = logits.clone()
+    if allowed is not None:
+        allowed = allowed.to(logits.device)
+        kept = logits[allowed]
+        logits.fill_(-math.inf)
+        logits[allowed] = kept
     if held:
         logits[stop_ids.to(logits.device)] = -math.inf
     if params.logit_bias:

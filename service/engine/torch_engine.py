@@ -127,6 +127,11 @@ class _RequestState:
             return None
         return torch.tensor(sorted(self.outputs[0].stop_ids), dtype=torch.long)
 
+    @functools.cached_property
+    def allowed(self) -> torch.Tensor | None:
+        """The only ids a choice may take (allowed_token_ids), made once."""
+        return torch.tensor(self.params.allowed_token_ids, dtype=torch.long) if self.params.allowed_token_ids else None
+
     def emit(self, item: list[ChoiceDelta] | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -537,7 +542,7 @@ class TorchEngine(Engine):
                     token = greedy[row]
                 else:
                     adjusted = process_logits(logits[row], params, output.token_ids, state.prompt_tokens, state.bias,
-                                              state.stop_ids)
+                                              state.stop_ids, state.allowed)
                     token = sample_token(adjusted, params, state.generators[seq.index])
                 logprob = (token_logprob(logits[row], token, params.logprobs, self._token_text)
                            if params.logprobs is not None else None)

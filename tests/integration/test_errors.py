@@ -82,6 +82,12 @@ def test_wrong_types(server, route, body, param):
     (CHAT, chat_body(chat_template_kwargs={"eos_token": 5}), "chat_template_kwargs"),  # the template adds it to text
     (COMPLETIONS, completion_body(min_tokens=100, max_tokens=10), "min_tokens"),
     (COMPLETIONS, completion_body(min_tokens=-1), "min_tokens"),
+    (COMPLETIONS, completion_body(allowed_token_ids=[]), "allowed_token_ids"),
+    (COMPLETIONS, completion_body(allowed_token_ids=[5, 99999]), "allowed_token_ids"),
+    # beside a constraint of the reply (vLLM 0.32 answers 500 where the two admit no common token)
+    (COMPLETIONS, completion_body(allowed_token_ids=[5], structured_outputs={"choice": ["a", "b"]}),
+     "allowed_token_ids"),
+    (CHAT, chat_body(allowed_token_ids=[5], response_format={"type": "json_object"}), "allowed_token_ids"),
     (COMPLETIONS, completion_body(logit_bias={"word": 1}), "logit_bias"),
     (COMPLETIONS, completion_body(logit_bias={"5": 1000}), "logit_bias"),
     (COMPLETIONS, completion_body(frequency_penalty=3), "frequency_penalty"),

@@ -192,6 +192,22 @@ def test_bad_input_gets_an_openai_4xx_never_a_500(served, body, why):
     assert reply.json()["error"]["message"], why
 
 
+@pytest.mark.parametrize("route,extra", [
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+])
+def test_allowed_token_ids_beside_a_constraint_is_the_contracts_400_not_vllms_500(served, route, extra):
+    """Token ids the constraint cannot start with: vLLM 0.32 samples from nothing, its grammar rejects
+    the token and the client gets a 500. The contract refuses the pair, as the torch runtime does."""
+    body = {"model": MODEL, "max_tokens": 4, "allowed_token_ids": [5, 9]} | extra
+    reply = httpx.post(f"{served.url}{route}", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "allowed_token_ids", reply.text[:300]
+    alone = {k: v for k, v in body.items() if k not in ("structured_outputs", "response_format", "tools", "tool_choice")}
+    assert httpx.post(f"{served.url}{route}", json=alone, timeout=60).status_code == 200
+
+
 def test_features_of_the_engine_pass_through(oai, served, tokenizer):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
@@ -275,7 +291,8 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
                  r.choices[0].finish_reason) for r in replies]  # the role: the last message's without a cue
         assert seen[0] == seen[1], extra
     for extra in ({"add_special_tokens": False}, {"stop": ["e"], "include_stop_str_in_output": True},
-                  {"stop": ["e"], "min_tokens": 6}):  # a stop string from the seventh token on
+                  {"stop": ["e"], "min_tokens": 6},  # a stop string from the seventh token on
+                  {"allowed_token_ids": [5, 9, 17, 40]}):
         replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
                    for client in (oai, torch_client)]
         seen = [(r.usage.prompt_tokens, r.choices[0].text, r.choices[0].finish_reason) for r in replies]

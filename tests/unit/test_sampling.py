@@ -45,6 +45,13 @@ def test_min_tokens_holds_back_the_stop_ids_until_reached():
     assert params.adjusts_logits, "a greedy request with min_tokens takes no argmax shortcut"
 
 
+def test_allowed_token_ids_leave_only_those_before_the_bias():
+    logits = torch.tensor([5.0, 1.0, 4.0, 2.0])
+    out = process_logits(logits, SamplingParams(allowed_token_ids=(1, 3), logit_bias=((0, 1.0), (3, 1.0))), [],
+                         allowed=torch.tensor([1, 3]))
+    assert out.tolist() == [-math.inf, 1.0, -math.inf, 3.0] and logits.tolist() == [5.0, 1.0, 4.0, 2.0]
+
+
 def test_repetition_penalty_follows_vllms_definition():
     """Each token of the prompt or the output (a repeat counts once) divided by the penalty where its
     logit is positive, multiplied where not, before the frequency and presence penalties."""
