@@ -175,9 +175,10 @@ class OpenAIServing:
             raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
         try:
-            messages = template_messages(req.messages, self.tokenizer.get_chat_template(tools=tools))
+            template = self.tokenizer.get_chat_template(tools=tools)  # looked up once, used twice
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                template_messages(req.messages, template), tools=tools, chat_template=template, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **variables)
         except TemplateError as exc:  # the template's own refusal (a role order it does not take)
             raise bad_request(f"messages cannot be rendered by the model's chat template: {exc}", "messages") from None
