@@ -141,7 +141,13 @@ class SamplingFields(OpenAIBase):
         None, description="Extension (vLLM's): drop the tokens less likely than this times the likeliest's "
                           "probability (0 = off).")
     include_stop_str_in_output: bool = Field(
-        False, description="Extension (vLLM's): keep the stop string that ended a choice at the end of its text.")
+        False, description="Extension (vLLM's): keep the stop string or stop token that ended a choice at the end "
+                           "of its text.")
+    skip_special_tokens: bool = Field(
+        True, description="Extension (vLLM's): leave special tokens (end of sequence, chat markers) out of the "
+                          "text; false writes them.")
+    spaces_between_special_tokens: Literal[True] = Field(
+        True, description="Extension (vLLM's): only its default, true, is served.")
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="Extension (vLLM's): the only token ids a choice may take.")
     min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] = Field(

@@ -471,6 +471,7 @@ class OpenAIServing:
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=chosen["temperature"],
             top_p=chosen["top_p"], top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=req.seed,
             stop=tuple(stop), include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
             frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],

@@ -23,7 +23,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends a choice stays in its text
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string or token that ends a choice stays in its text
+    skip_special_tokens: bool = True  # vLLM's: special tokens write no text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token plus k alternatives

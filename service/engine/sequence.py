@@ -20,15 +20,15 @@ class IncrementalDetokenizer:
     an incomplete UTF-8 sequence (U+FFFD) until the next token completes it.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special: bool = True) -> None:
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.size = len(tokenizer)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int) -> str:
         if not 0 <= token_id < self.size:  # a padded row of the model's vocabulary: no text, as in vLLM
@@ -83,8 +83,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-def byte_level_table(tokenizer) -> list[bytes] | None:
-    """Id -> bytes for tokenizers whose decode() is plain byte-level; None where it is not."""
+def byte_level_table(tokenizer, skip_special: bool = True) -> list[bytes] | None:
+    """Id -> bytes for tokenizers whose decode() is plain byte-level; None where it is not. Special
+    tokens are b"" where `skip_special`, as decode(skip_special_tokens=True) drops them."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
@@ -94,8 +95,8 @@ def byte_level_table(tokenizer) -> list[bytes] | None:
     added = tokenizer.added_tokens_decoder
     table = []
     for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        if token_id in added:  # added tokens hold plain text; special ones are skipped when decoding
-            table.append(b"" if added[token_id].special else added[token_id].content.encode())
+        if token_id in added:  # added tokens hold plain text
+            table.append(b"" if added[token_id].special and skip_special else added[token_id].content.encode())
         elif piece is None or any(char not in to_byte for char in piece):
             return None
         else:
@@ -103,18 +104,26 @@ def byte_level_table(tokenizer) -> list[bytes] | None:
     return table
 
 
-def detokenizer_factory(tokenizer) -> Callable[[list[int]], IncrementalDetokenizer | ByteLevelDetokenizer]:
-    """Pick the fastest exact detokenizer for this tokenizer once; call the result per sequence."""
-    table = byte_level_table(tokenizer)
-    if table is not None:
-        return lambda prompt_ids: ByteLevelDetokenizer(table)
-    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+Detokenizer = IncrementalDetokenizer | ByteLevelDetokenizer
+
+
+def detokenizer_factory(tokenizer) -> Callable[[list[int], bool], Detokenizer]:
+    """Pick the fastest exact detokenizer for this tokenizer once; call the result per sequence with
+    its prompt and whether special tokens are skipped (vLLM's skip_special_tokens)."""
+    written = byte_level_table(tokenizer, skip_special=False)
+    if written is None:
+        return lambda prompt_ids, skip_special=True: IncrementalDetokenizer(tokenizer, prompt_ids, skip_special)
+    skipped = list(written)  # the same bytes objects, special tokens blanked
+    for token_id, token in tokenizer.added_tokens_decoder.items():
+        if token.special and token_id < len(skipped):
+            skipped[token_id] = b""
+    return lambda prompt_ids, skip_special=True: ByteLevelDetokenizer(skipped if skip_special else written)
 
 
 class SequenceOutput:
     """One choice of a request: its tokens, text, and when it stops (stop strings held back)."""
 
-    def __init__(self, index: int, detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer,
+    def __init__(self, index: int, detokenizer: Detokenizer,
                  params: SamplingParams, eos_ids: frozenset[int], max_new_tokens: int) -> None:
         self.index = index
         self.params = params
@@ -136,8 +145,10 @@ class SequenceOutput:
         self.token_ids.append(token_id)
         delta = ChoiceDelta(self.index, token_ids=[token_id], logprobs=[logprob] if logprob else [])
         if token_id in self.stop_ids:
-            # The stop token itself is counted in usage but never shown as text.
+            # The stop token is counted in usage; its text is shown only where asked for, as in vLLM.
             self.finish_reason, delta.stop_reason = "stop", (token_id if token_id in self.params.stop_token_ids else None)
+            if self.params.include_stop_str_in_output:
+                self.text += self.detok.add(token_id)
             self.text += self.detok.flush()
         else:
             before = len(self.text)

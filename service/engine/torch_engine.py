@@ -312,7 +312,8 @@ class TorchEngine(Engine):
                             reuse_cache=params.prompt_logprobs is None,
                             speculate=self.speculation is not None and can_speculate(params, request.grammar))
         self.scheduler.check_fits(scheduled)  # RequestTooLargeError: a 400 before anything is queued
-        outputs = [SequenceOutput(i, self._detokenizer(prompt), params, self.eos_ids, max_new) for i in range(params.n)]
+        outputs = [SequenceOutput(i, self._detokenizer(prompt, params.skip_special_tokens), params, self.eos_ids,
+                                  max_new) for i in range(params.n)]
         state = _RequestState(request, asyncio.Queue(), asyncio.get_running_loop(), outputs,
                               [make_generator(params, i, self.device) for i in range(params.n)], scheduled)
         if request.grammar is not None:

@@ -292,7 +292,10 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
         assert seen[0] == seen[1], extra
     for extra in ({"add_special_tokens": False}, {"stop": ["e"], "include_stop_str_in_output": True},
                   {"stop": ["e"], "min_tokens": 6},  # a stop string from the seventh token on
-                  {"allowed_token_ids": [5, 9, 17, 40]}):
+                  {"allowed_token_ids": [5, 9, 17, 40]},
+                  {"skip_special_tokens": False, "include_stop_str_in_output": True},  # "</s>" at the end
+                  {"skip_special_tokens": False, "allowed_token_ids": [5, 4]},  # chat markers as text
+                  {"allowed_token_ids": [40], "stop_token_ids": [40], "include_stop_str_in_output": True}):
         replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
                    for client in (oai, torch_client)]
         seen = [(r.usage.prompt_tokens, r.choices[0].text, r.choices[0].finish_reason) for r in replies]

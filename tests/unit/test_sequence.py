@@ -48,8 +48,36 @@ def test_special_tokens_show_no_text(tokenizer):
     assert detok.add(tokenizer.eos_token_id) == "" and detok.add(tokenizer.convert_tokens_to_ids("<|user|>")) == ""
 
 
+@pytest.mark.parametrize("kind", ["general", "byte-level"])
+def test_special_tokens_are_written_where_not_skipped(tokenizer, kind):
+    """vLLM's skip_special_tokens: false: chat markers and the end of sequence are text, as decode writes them."""
+    ids = tokenizer("<|user|>\nHi there</s>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.eos_token_id in ids, "the special tokens are tokens of their own"
+    detok = (IncrementalDetokenizer(tokenizer, [], skip_special=False) if kind == "general"
+             else detokenizer_factory(tokenizer)([], False))
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=False) == "<|user|>\nHi there</s>"
+    assert "".join(map(detokenizer_factory(tokenizer)([], True).add, ids)) == "\nHi there"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ends_a_choice_is_written_only_where_asked(tokenizer, include):
+    """As vLLM: with include_stop_str_in_output the stop token joins the text (an end of sequence
+    only where special tokens are written); else it is counted in usage and shows nothing."""
+    comma = tokenizer.convert_tokens_to_ids(",")
+    seq, deltas = run(tokenizer, "Bread, flour", stop_token_ids=(comma,), include_stop_str_in_output=include)
+    assert "".join(d.text for d in deltas) == ("Bread," if include else "Bread") and seq.token_ids[-1] == comma
+    eos = tokenizer.eos_token_id
+    for skip in (True, False):
+        seq = make_sequence(tokenizer, SamplingParams(max_tokens=9, include_stop_str_in_output=include,
+                                                      skip_special_tokens=skip), frozenset({eos}))
+        text = "".join(seq.append(t, None).text for t in tokenizer("Hi", add_special_tokens=False)["input_ids"] + [eos])
+        assert text == ("Hi</s>" if include and not skip else "Hi") and seq.finish_reason == "stop"
+
+
 def make_sequence(tokenizer, params: SamplingParams, eos=frozenset()) -> SequenceOutput:
-    return SequenceOutput(0, detokenizer_factory(tokenizer)([]), params, eos, params.max_tokens)
+    return SequenceOutput(0, detokenizer_factory(tokenizer)([], params.skip_special_tokens), params, eos,
+                          params.max_tokens)
 
 
 def run(tokenizer, text, eos=frozenset(), **params):
