@@ -148,6 +148,10 @@ class SamplingFields(OpenAIBase):
                           "text; false writes them.")
     spaces_between_special_tokens: Literal[True] = Field(
         True, description="Extension (vLLM's): only its default, true, is served.")
+    return_token_ids: bool | None = Field(
+        None, description="Extension (vLLM's): the prompt's token ids and each choice's beside the text; a stream "
+                          "gives the prompt's in its first chunk (a completions choice: in that choice's first) and "
+                          "each chunk's new ids.")
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="Extension (vLLM's): the only token ids a choice may take.")
     min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] = Field(
@@ -273,12 +277,22 @@ class ChatResponseMessage(ResponseBase):
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
+def _absent(value) -> bool:
+    return value is None
+
+
+def token_ids_field(description: str):
+    """A vLLM extension's token ids: absent from the JSON unless the request asked (return_token_ids)."""
+    return Field(None, description=f"Extension (vLLM's): {description}, with return_token_ids.", exclude_if=_absent)
+
+
 class ChatChoice(ResponseBase):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="Extension: the stop string or token that ended it.")
+    token_ids: list[int] | None = token_ids_field("the choice's token ids")
 
 
 class PromptLogprob(ResponseBase):
@@ -298,6 +312,7 @@ class ChatCompletionResponse(ResponseBase):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = Field(None, description="Extension (vLLM's): see the request's.")
+    prompt_token_ids: list[int] | None = token_ids_field("the prompt's token ids")
 
 
 class OmitNone(ResponseBase):
@@ -333,6 +348,7 @@ class ChatChunkChoice(ResponseBase):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = token_ids_field("the chunk's new token ids")
 
 
 class ChatCompletionChunk(ResponseBase):
@@ -342,6 +358,7 @@ class ChatCompletionChunk(ResponseBase):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = token_ids_field("the prompt's token ids, in the first chunk")
 
 
 # -- completions ---------------------------------------------------------------------------
@@ -371,6 +388,8 @@ class CompletionChoice(ResponseBase):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = Field(None, description="Extension (vLLM's): see the request's.")
+    token_ids: list[int] | None = token_ids_field("the choice's token ids (a stream's chunk: its new ones)")
+    prompt_token_ids: list[int] | None = token_ids_field("its prompt's token ids (a stream: in the choice's first chunk)")
 
 
 class CompletionResponse(ResponseBase):

@@ -134,21 +134,23 @@ class OpenAIServing:
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
+        ids = bool(req.return_token_ids)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced, role))
+            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced, role, ids))
         await self._drain(events)
         choices = []
         for i, c in sorted(job.choices.items()):
             message = self._chat_message(c.text, calls, role)
             finish = self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None))
+                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                                      token_ids=c.token_ids if ids else None))
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             prompt_logprobs = self._prompt_logprobs(prompt, job.choices[0].prompt_logprobs)
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage,
-                                      prompt_logprobs=prompt_logprobs)
+                                      prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt if ids else None)
 
     def _functions(self, req: ChatCompletionRequest) -> list[dict] | None:
         """The request's functions (OpenAI's tool definitions), once the tool choice is checked."""
@@ -255,16 +257,19 @@ class OpenAIServing:
         return "tool_calls" if reason == "stop" and called else reason
 
     async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool, forced: bool,
-                           role: str) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage)
+                           role: str, ids: bool) -> AsyncIterator[str]:
+        """`ids`: return_token_ids, the prompt's ids in the first chunk and each chunk's new ones."""
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, prompt: list[int] | None = None) -> str:
+            body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage,
+                                       prompt_token_ids=prompt)
             return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
 
         parsers = {index: HermesParser() for index in range(job.params.n)} if calls else {}
         called: set[int] = set()
         try:
             for index in range(job.params.n):
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))],
+                            prompt=job.prompts[0] if ids and index == 0 else None)
             async for index, delta in events:
                 content, tool_deltas = delta.text, []
                 if calls:
@@ -275,12 +280,14 @@ class OpenAIServing:
                     if tool_deltas:
                         called.add(index)
                 logprobs = self._chat_logprobs(delta.logprobs) if job.params.logprobs is not None else None
-                if content or tool_deltas or delta.finish_reason or delta.logprobs and logprobs is not None:
+                if (content or tool_deltas or delta.finish_reason or delta.logprobs and logprobs is not None
+                        or ids and delta.token_ids):
                     finish = self._finish_reason(delta.finish_reason, index in called and not forced)
                     body = ChatDelta(content=content if content or not tool_deltas else None,
                                      tool_calls=[self._tool_delta(d) for d in tool_deltas] or None)
                     yield chunk([ChatChunkChoice(index=index, delta=body, logprobs=logprobs,
-                                                 finish_reason=finish, stop_reason=delta.stop_reason)])
+                                                 finish_reason=finish, stop_reason=delta.stop_reason,
+                                                 token_ids=delta.token_ids if ids else None)])
             if include_usage:
                 yield chunk([], job.usage)
         except Exception as exc:  # a started stream reports failure in-band
@@ -333,7 +340,9 @@ class OpenAIServing:
             choices.append(CompletionChoice(
                 index=i, text=echoes[i // params.n] + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
-                prompt_logprobs=self._prompt_logprobs(prompt, c.prompt_logprobs) if req.prompt_logprobs is not None else None))
+                prompt_logprobs=self._prompt_logprobs(prompt, c.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                token_ids=c.token_ids if req.return_token_ids else None,
+                prompt_token_ids=prompt if req.return_token_ids else None))
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     def _echoed(self, prompt: list[int], scored: list[TokenLogprob | None] | None, top: int | None) -> list:
@@ -387,10 +396,21 @@ class OpenAIServing:
         offsets: dict[int, int] = {}
         scored = req.logprobs if req.echo else None
         echoed: set[int] = set()  # with logprobs, a choice's echo waits for its prompt's logprobs
+        ids = bool(req.return_token_ids)
+        unsent = set(range(len(job.prompts) * job.params.n)) if ids else set()  # choices yet to get their prompt's ids
+
+        def prompt_ids(index: int) -> list[int] | None:
+            """return_token_ids: the prompt's ids in a choice's first chunk, as vLLM sends them."""
+            if index not in unsent:
+                return None
+            unsent.discard(index)
+            return job.prompts[index // job.params.n]
+
         try:
             for index in range(len(job.prompts) * job.params.n):
                 if echoes[index // job.params.n] and scored is None:
-                    yield chunk([CompletionChoice(index=index, text=echoes[index // job.params.n])])
+                    yield chunk([CompletionChoice(index=index, text=echoes[index // job.params.n],
+                                                  token_ids=[] if ids else None, prompt_token_ids=prompt_ids(index))])
             async for index, delta in events:
                 entries = delta.logprobs
                 text = delta.text
@@ -398,7 +418,7 @@ class OpenAIServing:
                     echoed.add(index)
                     entries = self._echoed(job.prompts[index // job.params.n], delta.prompt_logprobs, scored) + entries
                     text = echoes[index // job.params.n] + text
-                if text or delta.finish_reason or entries and job.params.logprobs is not None:
+                if text or delta.finish_reason or entries and job.params.logprobs is not None or ids and delta.token_ids:
                     logprobs = None
                     if job.params.logprobs is not None:
                         logprobs = self._completion_logprobs(entries, offsets.get(index, 0))
@@ -408,7 +428,9 @@ class OpenAIServing:
                         prompt_logprobs = self._prompt_logprobs(job.prompts[index // job.params.n], delta.prompt_logprobs)
                     yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                   finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                                                  prompt_logprobs=prompt_logprobs)])
+                                                  prompt_logprobs=prompt_logprobs,
+                                                  token_ids=delta.token_ids if ids else None,
+                                                  prompt_token_ids=prompt_ids(index))])
             if include_usage:
                 yield chunk([], job.usage)
         except Exception as exc:

@@ -189,3 +189,38 @@ def test_user_field_is_accepted(client, model_name):
     reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=2, user="someone")
     assert reply.usage.completion_tokens <= 2
+
+
+def test_vllms_return_token_ids_give_the_prompts_and_the_choices_ids(client, model_name, tiny_model_dir):
+    """vLLM's return_token_ids: the prompt's ids as encoded, each choice's ids (its text decoded from
+    them), the same streamed as whole, and nothing of them unless asked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt, _ = PAIRS[2]
+    asked = {"model": model_name, "max_tokens": 12, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    reply = client.completions.create(prompt=[prompt, "Hi"], **asked)
+    for choice, text in zip(reply.choices, [prompt, "Hi"]):
+        assert choice.prompt_token_ids == tokenizer(text)["input_ids"]
+        assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    assert sum(len(c.token_ids) for c in reply.choices) == reply.usage.completion_tokens
+    streamed: dict[int, list[int]] = {}
+    prompts: dict[int, list[int]] = {}
+    for chunk in client.completions.create(prompt=[prompt, "Hi"], stream=True, **asked):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.token_ids)
+            if (ids := getattr(c, "prompt_token_ids", None)) is not None:  # absent after a choice's first chunk
+                assert c.index not in prompts, "a choice's prompt ids come once, in its first chunk"
+                prompts[c.index] = ids
+    assert streamed == {c.index: c.token_ids for c in reply.choices}
+    assert prompts == {c.index: c.prompt_token_ids for c in reply.choices}
+
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(messages=messages, **asked)
+    assert tokenizer.decode(chat.choices[0].token_ids, skip_special_tokens=True) == chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **asked))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids and len(chat.prompt_token_ids) == chat.usage.prompt_tokens
+    assert [t for chunk in chunks for c in chunk.choices for t in getattr(c, "token_ids", None) or []] == \
+        chat.choices[0].token_ids
+    plain = client.completions.with_raw_response.create(model=model_name, prompt="Hi", max_tokens=2).http_response.json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]

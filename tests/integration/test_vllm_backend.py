@@ -302,6 +302,32 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
         assert seen[0] == seen[1], extra
 
 
+def _token_ids(url: str, route: str, body: dict) -> tuple:
+    """A request's token ids with return_token_ids: whole, then streamed (the prompt's and each choice's)."""
+    reply = httpx.post(url + route, json=body, timeout=60).json()
+    whole = [reply.get("prompt_token_ids")] + [(c.get("prompt_token_ids"), c["token_ids"]) for c in reply["choices"]]
+    streamed: dict = {}
+    with httpx.stream("POST", url + route, json=body | {"stream": True}, timeout=60) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                streamed.setdefault("prompt", []).extend(chunk.get("prompt_token_ids") or [])
+                for c in chunk["choices"]:
+                    streamed.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+                    streamed.setdefault((c["index"], "prompt"), []).extend(c.get("prompt_token_ids") or [])
+    return whole, streamed
+
+
+def test_vllms_return_token_ids_are_the_same_on_both_engines(served, server):
+    """The prompt's and each choice's token ids, whole and streamed, as vLLM gives them."""
+    prompt, _ = memorised_pairs()[0]
+    for route, extra in [("/v1/completions", {"prompt": [prompt, "Hi"]}),
+                         ("/v1/completions", {"prompt": prompt, "stop": [" "]}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})]:
+        body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True} | extra
+        assert _token_ids(served.url, route, body) == _token_ids(server.url, route, body), extra
+
+
 INSPECTED_AT_BUILD = """
 import json, os
 from unittest import mock
