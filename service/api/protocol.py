@@ -148,6 +148,13 @@ class SamplingFields(OpenAIBase):
                           "text; false writes them.")
     spaces_between_special_tokens: Literal[True] = Field(
         True, description="Extension (vLLM's): only its default, true, is served.")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = Field(
+        None, description="Extension (vLLM's): serve only this many of the prompt's tokens, the last unless "
+                          "truncation_side is right (-1: the context less one). A text prompt cut without a side "
+                          "keeps the special tokens its encoding adds (BOS), as vLLM's tokenizer cuts it.")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="Extension (vLLM's): with truncate_prompt_tokens, right keeps the first tokens and left "
+                          "the last (of the whole encoding, BOS included).")
     return_token_ids: bool | None = Field(
         None, description="Extension (vLLM's): the prompt's token ids and each choice's beside the text; a stream "
                           "gives the prompt's in its first chunk (a completions choice: in that choice's first) and "

@@ -27,6 +27,7 @@ from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoic
                                   PromptLogprobs, ResponseFunction, ResponseToolCall, SamplingFields,
                                   StructuredOutputs, Usage)
 from service.api.tool_calls import HermesParser, ToolCallDelta, tool_constraint
+from service.api.truncation import keep_count, special_split, truncated
 from service.engine.base import ChoiceDelta, Engine, GenerationRequest, SamplingParams, TokenLogprob
 from service.engine.grammar import MAX_NESTING, Constraint, GrammarError, nesting
 from service.metrics import ServiceMetrics
@@ -106,6 +107,7 @@ class OpenAIServing:
         self.admission, self.adapters, self.tool_call_parser = admission, adapters, tool_call_parser
         self.defaults, self.max_stop_strings = defaults or {}, max_stop_strings
         self._encode = prompt_encoder(tokenizer)
+        self._specials = special_split(self._encode)  # the special tokens a text's encoding adds (BOS)
         self._reserved = reserved_template_names(tokenizer)
         # Prompts are rendered and encoded here, not on the event loop: 2 MB of text took the tiny
         # model's tokenizer 1.8 s, every stream of the server waiting. One thread, as vLLM's
@@ -190,7 +192,18 @@ class OpenAIServing:
             raise bad_request(f"the model's chat template cannot render this request: {exc}", param) from None
         if not (ids := self._encode(text, req.add_special_tokens)):
             raise bad_request("the chat template rendered the messages as no tokens", "messages")
-        return ids
+        return self._truncated(req, ids, text=True)
+
+    def _truncated(self, req: SamplingFields, ids: list[int], text: bool) -> list[int]:
+        """The prompt cut as truncate_prompt_tokens asks (service.api.truncation), else as it is."""
+        if req.truncate_prompt_tokens is None:
+            return ids
+        specials = self._specials if text and req.add_special_tokens else (0, 0)
+        try:
+            keep = keep_count(req.truncate_prompt_tokens, self.engine.max_model_len)
+            return truncated(ids, keep, req.truncation_side, specials)
+        except ValueError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from None
 
     def _chat_constraint(self, req: ChatCompletionRequest, functions: list[dict] | None) -> tuple[Constraint | None, str]:
         """The one constraint a chat request may carry, and the parameter that named it."""
@@ -314,7 +327,7 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        prompts = await self._tokenized(self._completion_prompts, req.prompt, req.n, req.add_special_tokens)
+        prompts = await self._tokenized(self._completion_prompts, req)
         fields = req.structured_outputs
         if fields and req.allowed_token_ids is not None:
             raise allowed_beside("structured_outputs")
@@ -364,7 +377,8 @@ class OpenAIServing:
             result.append(entry)
         return result
 
-    def _completion_prompts(self, prompt, n: int, add_special_tokens: bool) -> list[list[int]]:
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [prompt]
         elif not prompt:
@@ -373,18 +387,18 @@ class OpenAIServing:
             prompts = [prompt]
         else:
             prompts = prompt
-        self.admission.check_size(len(prompts), n)  # before any prompt is encoded
+        self.admission.check_size(len(prompts), req.n)  # before any prompt is encoded
         vocab = len(self.tokenizer)
         token_lists = []
         for item in prompts:
             if isinstance(item, str):
-                if not (ids := self._encode(item, add_special_tokens)):
+                if not (ids := self._encode(item, req.add_special_tokens)):
                     raise empty_prompt()
-                token_lists.append(ids)
+                token_lists.append(self._truncated(req, ids, text=True))
                 continue
             if not item or any(not 0 <= t < vocab for t in item):
                 raise bad_request(f"token prompts must be non-empty with ids in [0, {vocab})", "prompt")
-            token_lists.append(list(item))
+            token_lists.append(self._truncated(req, list(item), text=False))
         return token_lists
 
     async def _completion_stream(self, job: Job, events, include_usage: bool, echoes: list[str],
@@ -468,9 +482,9 @@ class OpenAIServing:
         if longest >= limit:
             raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {longest} tokens",
                               prompt_param)
-        if max_tokens is not None and longest + max_tokens > limit:
-            raise bad_request(f"this model's maximum context length is {limit} tokens; {longest} prompt tokens plus "
-                              f"{max_param}={max_tokens} exceed it", max_param)
+        if max_tokens is not None and max_tokens > limit:  # else each prompt's output stops at the context, as in vLLM
+            raise bad_request(f"{max_param}={max_tokens} cannot be greater than this model's maximum context length, "
+                              f"{limit} tokens", max_param)
         vocab = len(self.tokenizer)
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(req, name) or ()):

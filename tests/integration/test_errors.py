@@ -83,6 +83,10 @@ def test_wrong_types(server, route, body, param):
     (COMPLETIONS, completion_body(min_tokens=100, max_tokens=10), "min_tokens"),
     (COMPLETIONS, completion_body(min_tokens=-1), "min_tokens"),
     (COMPLETIONS, completion_body(allowed_token_ids=[]), "allowed_token_ids"),
+    (COMPLETIONS, completion_body(truncate_prompt_tokens=0), "truncate_prompt_tokens"),  # no prompt left
+    (CHAT, chat_body(truncate_prompt_tokens=513), "truncate_prompt_tokens"),  # past the context
+    (COMPLETIONS, completion_body(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (COMPLETIONS, completion_body(truncate_prompt_tokens=3, truncation_side="middle"), "truncation_side"),
     (COMPLETIONS, completion_body(allowed_token_ids=[5, 99999]), "allowed_token_ids"),
     # beside a constraint of the reply (vLLM 0.32 answers 500 where the two admit no common token)
     (COMPLETIONS, completion_body(allowed_token_ids=[5], structured_outputs={"choice": ["a", "b"]}),
@@ -197,9 +201,13 @@ def test_a_prompt_that_takes_seconds_to_encode_leaves_the_event_loop_free(server
     assert len(waits) > 5 and max(waits) < encoding_s / 2, (max(waits), len(waits), encoding_s)
 
 
-def test_prompt_plus_max_tokens_over_the_context(server):
-    response = httpx.post(server.url + COMPLETIONS, json=completion_body(prompt=[100] * 200, max_tokens=400))
-    assert_openai_error(response, 400, "max_tokens")
+def test_prompt_plus_max_tokens_over_the_context_stops_at_its_end(server):
+    """As vLLM 0.32 (and so NIM) serves it: the output ends where the context does (it was a 400 here);
+    a max_tokens past the whole context is still one."""
+    body = completion_body(prompt=[100] * 200, max_tokens=400, ignore_eos=True)
+    reply = httpx.post(server.url + COMPLETIONS, json=body, timeout=120).json()
+    assert reply["usage"]["completion_tokens"] == 312 and reply["choices"][0]["finish_reason"] == "length"
+    assert_openai_error(httpx.post(server.url + COMPLETIONS, json=body | {"max_tokens": 513}), 400, "max_tokens")
 
 
 @pytest.mark.parametrize("route", [CHAT, COMPLETIONS])

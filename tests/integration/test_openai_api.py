@@ -191,6 +191,30 @@ def test_user_field_is_accepted(client, model_name):
     assert reply.usage.completion_tokens <= 2
 
 
+def test_vllms_truncate_prompt_tokens_and_an_output_bounded_by_the_context(client, model_name, tiny_model_dir):
+    """A prompt cut to its last tokens (BOS kept, as vLLM's tokenizer cuts), or its first; -1 fits a
+    prompt far past the context; a max_tokens past what the context leaves stops there, as in vLLM
+    0.32 (it was a 400)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt, _ = PAIRS[2]
+    ids = tokenizer(prompt)["input_ids"]
+
+    def served(text: str, max_tokens: int = 2, **extra):
+        extra["return_token_ids"] = True
+        return client.completions.create(model=model_name, prompt=text, max_tokens=max_tokens, temperature=0,
+                                         extra_body=extra)
+
+    assert served(prompt, truncate_prompt_tokens=5).choices[0].prompt_token_ids == ids[:1] + ids[-4:]
+    assert served(prompt, truncate_prompt_tokens=5, truncation_side="left").choices[0].prompt_token_ids == ids[-5:]
+    assert served(prompt, truncate_prompt_tokens=5, truncation_side="right").choices[0].prompt_token_ids == ids[:5]
+    fitted = served("word " * 600, truncate_prompt_tokens=-1)
+    assert fitted.usage.prompt_tokens == 511 and fitted.usage.completion_tokens == 1
+    bounded = served("word " * 160, max_tokens=500)
+    assert bounded.usage.total_tokens == 512 and bounded.choices[0].finish_reason == "length"
+
+
 def test_vllms_return_token_ids_give_the_prompts_and_the_choices_ids(client, model_name, tiny_model_dir):
     """vLLM's return_token_ids: the prompt's ids as encoded, each choice's ids (its text decoded from
     them), the same streamed as whole, and nothing of them unless asked."""

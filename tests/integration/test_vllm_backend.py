@@ -319,11 +319,23 @@ def _token_ids(url: str, route: str, body: dict) -> tuple:
 
 
 def test_vllms_return_token_ids_are_the_same_on_both_engines(served, server):
-    """The prompt's and each choice's token ids, whole and streamed, as vLLM gives them."""
+    """The prompt's and each choice's token ids, whole and streamed, as vLLM gives them; so too
+    where the prompt is truncated, or the output stops at the end of the context."""
     prompt, _ = memorised_pairs()[0]
+    asked = [{"role": "user", "content": prompt}]
     for route, extra in [("/v1/completions", {"prompt": [prompt, "Hi"]}),
                          ("/v1/completions", {"prompt": prompt, "stop": [" "]}),
-                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})]:
+                         ("/v1/chat/completions", {"messages": asked}),
+                         # vLLM's truncation: its tokenizer's cut (BOS kept), either side of the encoding, ids
+                         ("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 5}),
+                         ("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 5, "truncation_side": "left"}),
+                         ("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 5, "truncation_side": "right"}),
+                         ("/v1/completions", {"prompt": [1, 338, 270, 339, 284], "truncate_prompt_tokens": 3}),
+                         ("/v1/chat/completions", {"messages": asked, "truncate_prompt_tokens": 5}),
+                         ("/v1/chat/completions", {"messages": asked, "truncate_prompt_tokens": 5,
+                                                   "add_special_tokens": True}),
+                         ("/v1/completions", {"prompt": "word " * 600, "truncate_prompt_tokens": -1}),
+                         ("/v1/completions", {"prompt": "word " * 167, "max_tokens": 40})]:  # stops at the context
         body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True} | extra
         assert _token_ids(served.url, route, body) == _token_ids(server.url, route, body), extra
 
