@@ -148,6 +148,9 @@ class SamplingFields(OpenAIBase):
                           "text; false writes them.")
     spaces_between_special_tokens: Literal[True] = Field(
         True, description="Extension (vLLM's): only its default, true, is served.")
+    bad_words: list[str] | None = Field(
+        None, description="Extension (vLLM's): words the output may not write, at its start or after a space: each "
+                          "word's last token is never chosen right after the rest of it (at most 128 as tokens).")
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = Field(
         None, description="Extension (vLLM's): serve only this many of the prompt's tokens, the last unless "
                           "truncation_side is right (-1: the context less one). A text prompt cut without a side "

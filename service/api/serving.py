@@ -92,6 +92,7 @@ class SSEStream:
         return self.job.usage
 
 
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default: each is looked at for every token
 # The sampling fields' values where neither the request nor the model's generation config sets them
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
            "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -132,7 +133,8 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._sampling(req, [prompt], max_tokens, max_param, prompt_logprobs=req.prompt_logprobs,
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                bad_words=await self._tokenized(self._bad_words, req.bad_words))
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
@@ -336,7 +338,8 @@ class OpenAIServing:
         scored = req.logprobs if req.echo else None  # echo with logprobs scores the prompt (lm-eval's loglikelihood)
         asked = [k for k in (scored, req.prompt_logprobs) if k is not None]
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,
-                                prompt_logprobs=max(asked) if asked else None)
+                                prompt_logprobs=max(asked) if asked else None,
+                                bad_words=await self._tokenized(self._bad_words, req.bad_words))
         job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)
@@ -475,7 +478,9 @@ class OpenAIServing:
         return adapter
 
     def _sampling(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, max_param: str,
-                  logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                  logprobs: int | None, prompt_logprobs: int | None = None,
+                  bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+        """`bad_words`: the request's as token ids (`_bad_words`, encoded off the event loop)."""
         limit = self.engine.max_model_len
         longest = max(len(p) for p in prompts)
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -512,7 +517,27 @@ class OpenAIServing:
             logprobs=logprobs, presence_penalty=chosen["presence_penalty"],
             frequency_penalty=chosen["frequency_penalty"], repetition_penalty=chosen["repetition_penalty"],
             logit_bias=self._logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs,
+            bad_words=bad_words,
             allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))))
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad words as token ids: each word as written (leading spaces dropped) and, where it
+        tokenizes as a new word of as many tokens, after a space, so that it is barred at the start of
+        a text and within it (vLLM's SamplingParams.update_from_tokenizer)."""
+        result: list[tuple[int, ...]] = []
+        for word in dict.fromkeys(words or ()):
+            if not word:
+                raise bad_request("bad_words cannot contain an empty string", "bad_words")
+            plain = tuple(self._encode(word.lstrip(), False))
+            if not plain:
+                raise bad_request(f"bad_words entry {word!r} tokenizes to no tokens", "bad_words")
+            spaced = tuple(self._encode(" " + word.lstrip(), False))
+            result.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                result.append(spaced)
+            if len(result) > MAX_BAD_WORDS:
+                raise bad_request(f"at most {MAX_BAD_WORDS} bad words once tokenized; got more", "bad_words")
+        return tuple(result)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         result, vocab = [], len(self.tokenizer)

@@ -34,6 +34,7 @@ class SamplingParams:
     min_p: float = 0.0  # vLLM's: tokens below min_p times the likeliest's probability are dropped
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: () = every token; else only these may be chosen
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last id never follows the rest
     prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus k alternatives
 
     @property
@@ -44,7 +45,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes the logits before a token is chosen (sampling.process_logits)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids)
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids
+                    or self.bad_words)
 
 
 @dataclass(frozen=True)

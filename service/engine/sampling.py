@@ -42,6 +42,17 @@ def bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | 
     return table[:, 0].long(), table[:, 1]
 
 
+def banned_ids(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int]) -> list[int]:
+    """vLLM's bad words: each word's last token, where the output ends with the rest of the word (a
+    word of one token always)."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix <= len(output_ids) and (not prefix or output_ids[-prefix:] == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
                    prompt_tokens: torch.Tensor | None = None,
                    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -50,12 +61,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
     (over `prompt_tokens`, the prompt's distinct ids, and the output's), then the frequency and
     presence penalties (OpenAI's definitions, over the output's), in vLLM's order, to a [vocab]
     float32 row: a copy, or the row itself where there are none. Below `params.min_tokens` output
-    tokens, `stop_ids` (the choice's stop and end-of-sequence ids) cannot be chosen, and where
-    `allowed` is given (vLLM's allowed_token_ids) no other token can, as in vLLM."""
+    tokens, `stop_ids` (the choice's stop and end-of-sequence ids) cannot be chosen, where
+    `allowed` is given (vLLM's allowed_token_ids) no other token can, and a bad word's last token
+    cannot follow the rest of it, as in vLLM."""
     penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
     repeated = params.repetition_penalty != 1.0 and (output_ids or prompt_tokens is not None)
     held = stop_ids is not None and len(output_ids) < params.min_tokens
-    if not params.logit_bias and not penalized and not repeated and not held and allowed is None:
+    banned = banned_ids(params.bad_words, output_ids)
+    if not params.logit_bias and not penalized and not repeated and not held and allowed is None and not banned:
         return logits
     logits = logits.clone()
     if allowed is not None:
@@ -63,6 +76,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
         kept = logits[allowed]
         logits.fill_(-math.inf)
         logits[allowed] = kept
+    if banned:
+        logits[[t for t in banned if t < len(logits)]] = -math.inf  # a tokenizer may know ids past the model's rows
     if held:
         logits[stop_ids.to(logits.device)] = -math.inf
     if params.logit_bias:
@@ -89,7 +104,10 @@ NUCLEUS_FIRST = 256  # the likeliest tokens top-p looks among first (`nucleus`)
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
-        return int(torch.argmax(logits))
+        token = int(torch.argmax(logits))
+        if logits[token] == -math.inf:  # every token excluded (allowed, bad words, min_tokens, a grammar)
+            raise SamplingError(NO_FINITE_MASS)
+        return token
     if (params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and params.min_p <= 0.0
             and native_draw(logits.device)):
         token = torch.ops.inferkiln.sample_row(logits.float().contiguous(), params.temperature, generator)

@@ -273,7 +273,7 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
     variables, special tokens), keep the stop string and hold stops back (min_tokens): the same
     prompt tokens, text and finish."""
     torch_client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    prompt, _ = memorised_pairs()[0]
+    prompt, expected = memorised_pairs()[0]
     asked = [{"role": "user", "content": prompt}]
     chats = [{"messages": [*asked, {"role": "assistant", "content": "The"}], "add_generation_prompt": False,
               "continue_final_message": True},
@@ -295,7 +295,8 @@ def test_vllms_prompt_and_stop_controls_decode_alike_on_both_engines(oai, server
                   {"allowed_token_ids": [5, 9, 17, 40]},
                   {"skip_special_tokens": False, "include_stop_str_in_output": True},  # "</s>" at the end
                   {"skip_special_tokens": False, "allowed_token_ids": [5, 4]},  # chat markers as text
-                  {"allowed_token_ids": [40], "stop_token_ids": [40], "include_stop_str_in_output": True}):
+                  {"allowed_token_ids": [40], "stop_token_ids": [40], "include_stop_str_in_output": True},
+                  {"bad_words": expected.split()[:3]}):  # words of the memorised line: barred where they start
         replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
                    for client in (oai, torch_client)]
         seen = [(r.usage.prompt_tokens, r.choices[0].text, r.choices[0].finish_reason) for r in replies]

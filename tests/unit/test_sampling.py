@@ -5,8 +5,8 @@ import torch
 
 from service.engine import sampling
 from service.engine.base import SamplingError, SamplingParams
-from service.engine.sampling import (bias_tensors, draw, make_generator, probabilities, process_logits, sample_token,
-                                     token_logprob)
+from service.engine.sampling import (banned_ids, bias_tensors, draw, make_generator, probabilities, process_logits,
+                                     sample_token, token_logprob)
 from service.metrics import token_buckets
 
 
@@ -50,6 +50,24 @@ def test_allowed_token_ids_leave_only_those_before_the_bias():
     out = process_logits(logits, SamplingParams(allowed_token_ids=(1, 3), logit_bias=((0, 1.0), (3, 1.0))), [],
                          allowed=torch.tensor([1, 3]))
     assert out.tolist() == [-math.inf, 1.0, -math.inf, 3.0] and logits.tolist() == [5.0, 1.0, 4.0, 2.0]
+
+
+def test_bad_words_bar_a_words_last_token_after_the_rest_of_it():
+    """vLLM's bad words: a one-token word always, a longer one where the output ends with its start."""
+    words = ((3,), (1, 2), (0, 1, 2))
+    assert banned_ids(words, []) == [3]
+    assert banned_ids(words, [5, 1]) == [3, 2]
+    assert banned_ids(words, [0, 1]) == [3, 2, 2]
+    out = process_logits(torch.tensor([5.0, 1.0, 4.0, 2.0]), SamplingParams(bad_words=words), [7, 1])
+    assert out.tolist() == [5.0, 1.0, -math.inf, -math.inf] and SamplingParams(bad_words=words).adjusts_logits
+
+
+def test_a_greedy_row_with_every_token_excluded_is_refused_as_a_sampled_one_is():
+    """No token left (bad words, allowed ids and min_tokens together): the request's 400, not token 0."""
+    row = torch.full((4,), -math.inf)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        with pytest.raises(SamplingError):
+            sample_token(row, params, torch.Generator().manual_seed(0))
 
 
 def test_repetition_penalty_follows_vllms_definition():
