@@ -158,6 +158,8 @@ class SamplingFields(OpenAIBase):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="Extension (vLLM's): with truncate_prompt_tokens, right keeps the first tokens and left "
                           "the last (of the whole encoding, BOS included).")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Extension (vLLM's): logprobs name tokens \"token_id:N\" rather than by their text.")
     return_token_ids: bool | None = Field(
         None, description="Extension (vLLM's): the prompt's token ids and each choice's beside the text; a stream "
                           "gives the prompt's in its first chunk (a completions choice: in that choice's first) and "

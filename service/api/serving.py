@@ -28,7 +28,7 @@ from service.api.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoic
                                   StructuredOutputs, Usage)
 from service.api.tool_calls import HermesParser, ToolCallDelta, tool_constraint
 from service.api.truncation import keep_count, special_split, truncated
-from service.engine.base import ChoiceDelta, Engine, GenerationRequest, SamplingParams, TokenLogprob
+from service.engine.base import ChoiceDelta, Engine, GenerationRequest, SamplingParams, TokenLogprob, TopLogprob
 from service.engine.grammar import MAX_NESTING, Constraint, GrammarError, nesting
 from service.metrics import ServiceMetrics
 
@@ -92,6 +92,11 @@ class SSEStream:
         return self.job.usage
 
 
+def shown(token: TokenLogprob | TopLogprob, as_ids: bool) -> str:
+    """A logprobs entry's token: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token.token_id}" if as_ids else token.token
+
+
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default: each is looked at for every token
 # The sampling fields' values where neither the request nor the model's generation config sets them
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
@@ -138,17 +143,17 @@ class OpenAIServing:
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
-        ids = bool(req.return_token_ids)
+        ids, as_ids = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced, role, ids))
+            return SSEStream(job, self._chat_stream(job, events, include_usage, calls, forced, role, ids, as_ids))
         await self._drain(events)
         choices = []
         for i, c in sorted(job.choices.items()):
             message = self._chat_message(c.text, calls, role)
             finish = self._finish_reason(c.finish_reason, bool(message.tool_calls) and not forced)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-                                      logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                                      logprobs=self._chat_logprobs(c.logprobs, as_ids) if req.logprobs else None,
                                       token_ids=c.token_ids if ids else None))
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
@@ -272,8 +277,9 @@ class OpenAIServing:
         return "tool_calls" if reason == "stop" and called else reason
 
     async def _chat_stream(self, job: Job, events, include_usage: bool, calls: bool, forced: bool,
-                           role: str, ids: bool) -> AsyncIterator[str]:
-        """`ids`: return_token_ids, the prompt's ids in the first chunk and each chunk's new ones."""
+                           role: str, ids: bool, as_ids: bool) -> AsyncIterator[str]:
+        """`ids`: return_token_ids, the prompt's ids in the first chunk and each chunk's new ones;
+        `as_ids`: return_tokens_as_token_ids."""
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, prompt: list[int] | None = None) -> str:
             body = ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=usage,
                                        prompt_token_ids=prompt)
@@ -294,7 +300,7 @@ class OpenAIServing:
                         content, tool_deltas = content + rest, tool_deltas + more
                     if tool_deltas:
                         called.add(index)
-                logprobs = self._chat_logprobs(delta.logprobs) if job.params.logprobs is not None else None
+                logprobs = self._chat_logprobs(delta.logprobs, as_ids) if job.params.logprobs is not None else None
                 if (content or tool_deltas or delta.finish_reason or delta.logprobs and logprobs is not None
                         or ids and delta.token_ids):
                     finish = self._finish_reason(delta.finish_reason, index in called and not forced)
@@ -314,12 +320,16 @@ class OpenAIServing:
         return DeltaToolCall(index=delta.index, id=delta.id, type="function" if delta.id else None,
                              function=DeltaFunction(name=delta.name, arguments=delta.arguments))
 
-    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
-        def entry(token: str, logprob: float) -> dict:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    @staticmethod
+    def _chat_logprobs(logprobs: list[TokenLogprob], as_ids: bool = False) -> ChatChoiceLogprobs:
+        """`as_ids` (vLLM's return_tokens_as_token_ids): tokens named "token_id:N"; the chosen token's
+        bytes stay its text's, the alternatives' are their names', as vLLM 0.32 writes them."""
+        def entry(token: str, logprob: float, shown: str | None = None) -> dict:
+            return {"token": shown or token, "logprob": logprob, "bytes": list(token.encode())}
 
         return ChatChoiceLogprobs(content=[
-            ChatLogprob(**entry(lp.token, lp.logprob), top_logprobs=[ChatLogprobTop(**entry(t.token, t.logprob)) for t in lp.top])
+            ChatLogprob(**entry(lp.token, lp.logprob, shown(lp, as_ids)),
+                        top_logprobs=[ChatLogprobTop(**entry(shown(t, as_ids), t.logprob)) for t in lp.top])
             for lp in logprobs])
 
     # -- completions -----------------------------------------------------------------------
@@ -352,7 +362,8 @@ class OpenAIServing:
             prompt = prompts[i // params.n]
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._completion_logprobs(self._echoed(prompt, c.prompt_logprobs, scored) + c.logprobs, 0)
+                logprobs = self._completion_logprobs(self._echoed(prompt, c.prompt_logprobs, scored) + c.logprobs, 0,
+                                                     bool(req.return_tokens_as_token_ids))
             choices.append(CompletionChoice(
                 index=i, text=echoes[i // params.n] + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -413,7 +424,7 @@ class OpenAIServing:
         offsets: dict[int, int] = {}
         scored = req.logprobs if req.echo else None
         echoed: set[int] = set()  # with logprobs, a choice's echo waits for its prompt's logprobs
-        ids = bool(req.return_token_ids)
+        ids, as_ids = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         unsent = set(range(len(job.prompts) * job.params.n)) if ids else set()  # choices yet to get their prompt's ids
 
         def prompt_ids(index: int) -> list[int] | None:
@@ -438,8 +449,8 @@ class OpenAIServing:
                 if text or delta.finish_reason or entries and job.params.logprobs is not None or ids and delta.token_ids:
                     logprobs = None
                     if job.params.logprobs is not None:
-                        logprobs = self._completion_logprobs(entries, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(len(lp.token) for lp in entries)
+                        logprobs = self._completion_logprobs(entries, offsets.get(index, 0), as_ids)
+                        offsets[index] = offsets.get(index, 0) + sum(len(shown(lp, as_ids)) for lp in entries)
                     prompt_logprobs = None
                     if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                         prompt_logprobs = self._prompt_logprobs(job.prompts[index // job.params.n], delta.prompt_logprobs)
@@ -455,14 +466,16 @@ class OpenAIServing:
         yield DONE
 
     @staticmethod
-    def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(logprobs: list[TokenLogprob], offset: int, as_ids: bool = False) -> CompletionLogprobs:
+        """`as_ids`: tokens named "token_id:N", the offsets counting the names, as vLLM 0.32 writes them."""
         result = CompletionLogprobs()
         for lp in logprobs:
+            token = shown(lp, as_ids)
             result.text_offset.append(offset)
-            offset += len(lp.token)
-            result.tokens.append(lp.token)
+            offset += len(token)
+            result.tokens.append(token)
             result.token_logprobs.append(lp.logprob)
-            result.top_logprobs.append({t.token: t.logprob for t in lp.top} if lp.logprob is not None else None)
+            result.top_logprobs.append({shown(t, as_ids): t.logprob for t in lp.top} if lp.logprob is not None else None)
         return result
 
     # -- shared ----------------------------------------------------------------------------

@@ -248,3 +248,23 @@ def test_vllms_return_token_ids_give_the_prompts_and_the_choices_ids(client, mod
         chat.choices[0].token_ids
     plain = client.completions.with_raw_response.create(model=model_name, prompt="Hi", max_tokens=2).http_response.json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_vllms_return_tokens_as_token_ids_name_the_logprobs_tokens(client, model_name):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" for each token and alternative, the offsets
+    counting those names; a chat token's bytes stay its text's (vLLM 0.32's)."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    reply = client.completions.create(model=model_name, prompt="The capital", max_tokens=4, temperature=0,
+                                      logprobs=2, extra_body=extra)
+    choice = reply.choices[0]
+    names = [f"token_id:{t}" for t in choice.token_ids]
+    assert choice.logprobs.tokens == names
+    assert choice.logprobs.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
+    assert all(top and all(k.startswith("token_id:") for k in top) for top in choice.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == chat.choices[0].message.content
+    assert all(bytes(t.bytes).decode() == t.token and t.token.startswith("token_id:")
+               for e in entries for t in e.top_logprobs)

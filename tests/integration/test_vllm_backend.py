@@ -341,6 +341,21 @@ def test_vllms_return_token_ids_are_the_same_on_both_engines(served, server):
         assert _token_ids(served.url, route, body) == _token_ids(server.url, route, body), extra
 
 
+def test_vllms_return_tokens_as_token_ids_name_tokens_alike_on_both_engines(served, server):
+    """Logprobs' tokens as "token_id:N", their offsets and a chat token's bytes, as the vLLM image gives them."""
+    asked = {"model": MODEL, "max_tokens": 6, "temperature": 0, "return_tokens_as_token_ids": True}
+    seen = []
+    for url in (served.url, server.url):
+        plain = httpx.post(f"{url}/v1/completions", json=asked | {"prompt": "The capital", "logprobs": 1, "echo": True},
+                           timeout=60).json()["choices"][0]["logprobs"]
+        chat = httpx.post(f"{url}/v1/chat/completions", json=asked | {
+            "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1}, timeout=60).json()
+        entries = chat["choices"][0]["logprobs"]["content"]
+        seen.append((plain["tokens"], plain["text_offset"], [(e["token"], e["bytes"]) for e in entries],
+                     [[(t["token"], t["bytes"]) for t in e["top_logprobs"]] for e in entries]))
+    assert seen[0] == seen[1]
+
+
 INSPECTED_AT_BUILD = """
 import json, os
 from unittest import mock
