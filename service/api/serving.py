@@ -139,7 +139,7 @@ class OpenAIServing:
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._sampling(req, [prompt], max_tokens, max_param, prompt_logprobs=req.prompt_logprobs,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                bad_words=await self._tokenized(self._bad_words, req.bad_words))
+                                bad_words=await self._bad_word_ids(req.bad_words))
         job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
         events = self._run(job)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
@@ -324,8 +324,8 @@ class OpenAIServing:
     def _chat_logprobs(logprobs: list[TokenLogprob], as_ids: bool = False) -> ChatChoiceLogprobs:
         """`as_ids` (vLLM's return_tokens_as_token_ids): tokens named "token_id:N"; the chosen token's
         bytes stay its text's, the alternatives' are their names', as vLLM 0.32 writes them."""
-        def entry(token: str, logprob: float, shown: str | None = None) -> dict:
-            return {"token": shown or token, "logprob": logprob, "bytes": list(token.encode())}
+        def entry(token: str, logprob: float, name: str | None = None) -> dict:
+            return {"token": name or token, "logprob": logprob, "bytes": list(token.encode())}
 
         return ChatChoiceLogprobs(content=[
             ChatLogprob(**entry(lp.token, lp.logprob, shown(lp, as_ids)),
@@ -349,7 +349,7 @@ class OpenAIServing:
         asked = [k for k in (scored, req.prompt_logprobs) if k is not None]
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,
                                 prompt_logprobs=max(asked) if asked else None,
-                                bad_words=await self._tokenized(self._bad_words, req.bad_words))
+                                bad_words=await self._bad_word_ids(req.bad_words))
         job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)
@@ -493,7 +493,7 @@ class OpenAIServing:
     def _sampling(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, max_param: str,
                   logprobs: int | None, prompt_logprobs: int | None = None,
                   bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
-        """`bad_words`: the request's as token ids (`_bad_words`, encoded off the event loop)."""
+        """`bad_words`: the request's as token ids (`_bad_word_ids`)."""
         limit = self.engine.max_model_len
         longest = max(len(p) for p in prompts)
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -533,12 +533,16 @@ class OpenAIServing:
             bad_words=bad_words,
             allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))))
 
-    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+    async def _bad_word_ids(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """The request's bad words as token ids, encoded on the tokenizing thread where there are any."""
+        return await self._tokenized(self._bad_words, words) if words else ()
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad words as token ids: each word as written (leading spaces dropped) and, where it
         tokenizes as a new word of as many tokens, after a space, so that it is barred at the start of
         a text and within it (vLLM's SamplingParams.update_from_tokenizer)."""
         result: list[tuple[int, ...]] = []
-        for word in dict.fromkeys(words or ()):
+        for word in dict.fromkeys(words):
             if not word:
                 raise bad_request("bad_words cannot contain an empty string", "bad_words")
             plain = tuple(self._encode(word.lstrip(), False))
