@@ -158,6 +158,10 @@ class SamplingFields(OpenAIBase):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="Extension (vLLM's): with truncate_prompt_tokens, right keeps the first tokens and left "
                           "the last (of the whole encoding, BOS included).")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Extension (vLLM's): prompts share prefix-cached KV only with requests of "
+                                        "the same salt; a secret per tenant keeps its cached prompts from being "
+                                        "timed by another.")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Extension (vLLM's): logprobs name tokens \"token_id:N\" rather than by their text.")
     return_token_ids: bool | None = Field(

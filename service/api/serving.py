@@ -65,6 +65,7 @@ class Job:
     model: str  # the id the request named: the base model's or a LoRA adapter's
     adapter: Adapter | None = None
     grammar: object = None  # the compiled constraint every choice follows
+    cache_salt: str | None = None  # vLLM's: its prompts share prefix cache only with the same salt's
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
@@ -140,7 +141,7 @@ class OpenAIServing:
         params = self._sampling(req, [prompt], max_tokens, max_param, prompt_logprobs=req.prompt_logprobs,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 bad_words=await self._bad_word_ids(req.bad_words))
-        job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar)
+        job = Job(f"chatcmpl-{request_id}", [prompt], params, req.model, adapter, grammar, req.cache_salt)
         events = self._run(job)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role  # vLLM's: the turn goes on
         ids, as_ids = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
@@ -350,7 +351,7 @@ class OpenAIServing:
         params = self._sampling(req, prompts, req.max_tokens, "max_tokens", logprobs=req.logprobs,
                                 prompt_logprobs=max(asked) if asked else None,
                                 bad_words=await self._bad_word_ids(req.bad_words))
-        job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar)
+        job = Job(f"cmpl-{request_id}", prompts, params, req.model, adapter, grammar, req.cache_salt)
         echoes = [self.tokenizer.decode(p, skip_special_tokens=True) if req.echo else "" for p in prompts]
         events = self._run(job)
         if req.stream:
@@ -571,7 +572,8 @@ class OpenAIServing:
         streams, admitted = [], []
         try:
             for i, prompt in enumerate(job.prompts):
-                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter, job.grammar)
+                request = GenerationRequest(f"{job.request_id}-{i}", prompt, job.params, job.adapter, job.grammar,
+                                            job.cache_salt)
                 streams.append(self._observed(self.engine.generate(request), len(prompt), job.params.n, job.model))
                 admitted.append(request.request_id)
         except Exception:

@@ -56,6 +56,7 @@ class GenerationRequest:
     params: SamplingParams
     adapter: Adapter | None = None  # a LoRA adapter of the registry; None: the base model
     grammar: Any = None  # a grammar the engine compiled (`Engine.compile_grammar`) that every choice follows
+    cache_salt: str | None = None  # vLLM's: requests of different salts share no prefix cache
 
 
 @dataclass(frozen=True)

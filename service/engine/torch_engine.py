@@ -306,8 +306,10 @@ class TorchEngine(Engine):
             raise RequestTooLargeError(f"prompt token id {max(prompt)} is past this model's vocabulary of "
                                        f"{self.vocab_size} embedding rows")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-        # KV computed with one adapter is never another's: each adapter's prefix cache is its own
-        root = hash((request.adapter.name, request.adapter.version)) if request.adapter else 0
+        # KV computed with one adapter is never another's: each adapter's prefix cache is its own, and
+        # each cache salt's (vLLM's cache_salt: one tenant's cached prompts cannot be timed by another)
+        adapter = (request.adapter.name, request.adapter.version) if request.adapter else None
+        root = hash((adapter, request.cache_salt)) if adapter or request.cache_salt is not None else 0
         scheduled = Request(request.request_id, prompt, params.n, len(prompt) + max_new, cache_root=root,
                             reuse_cache=params.prompt_logprobs is None,
                             speculate=self.speculation is not None and can_speculate(params, request.grammar))

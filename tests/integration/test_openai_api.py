@@ -268,3 +268,22 @@ def test_vllms_return_tokens_as_token_ids_name_the_logprobs_tokens(client, model
     assert b"".join(bytes(e.bytes) for e in entries).decode() == chat.choices[0].message.content
     assert all(bytes(t.bytes).decode() == t.token and t.token.startswith("token_id:")
                for e in entries for t in e.top_logprobs)
+
+
+def test_vllms_cache_salt_keeps_prefix_caches_apart(client, model_name, server):
+    """vLLM's cache_salt: a prompt's cached KV serves later requests of the same salt only (the
+    unsalted share theirs), so one tenant cannot learn from timing what another asked."""
+    from tests.conftest import metric, scrape
+
+    prompt = " ".join(f"salted probe {i}" for i in range(24))  # several 16-token blocks, asked nowhere else
+
+    def hits_of(salt: str | None) -> float:
+        before = metric(scrape(server.url), "prefix_cache_hits_total", model_name=model_name)
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"cache_salt": salt} if salt else {})
+        return metric(scrape(server.url), "prefix_cache_hits_total", model_name=model_name) - before
+
+    assert hits_of("tenant-a") == 0
+    assert hits_of("tenant-a") > 0
+    assert hits_of("tenant-b") == 0 and hits_of(None) == 0
+    assert hits_of(None) > 0 and hits_of("tenant-b") > 0
