@@ -99,6 +99,7 @@ def shown(token: TokenLogprob | TopLogprob, as_ids: bool) -> str:
 
 
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default: each is looked at for every token
+MAX_BAD_WORD_TOKENS = 1024  # vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS default: what a step compares at most
 # The sampling fields' values where neither the request nor the model's generation config sets them
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
            "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -555,6 +556,8 @@ class OpenAIServing:
                 result.append(spaced)
             if len(result) > MAX_BAD_WORDS:
                 raise bad_request(f"at most {MAX_BAD_WORDS} bad words once tokenized; got more", "bad_words")
+        if sum(map(len, result)) > MAX_BAD_WORD_TOKENS:  # each is compared with the output's end every step
+            raise bad_request(f"bad_words come to more than {MAX_BAD_WORD_TOKENS} tokens", "bad_words")
         return tuple(result)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

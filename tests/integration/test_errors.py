@@ -87,6 +87,7 @@ def test_wrong_types(server, route, body, param):
     (COMPLETIONS, completion_body(bad_words=[""]), "bad_words"),
     (CHAT, chat_body(bad_words=["  "]), "bad_words"),  # no tokens
     (COMPLETIONS, completion_body(bad_words=[str(i) for i in range(129)]), "bad_words"),  # vLLM's bound: 128
+    (COMPLETIONS, completion_body(bad_words=["word " * 300]), "bad_words"),  # and 1024 tokens in all
     (CHAT, chat_body(truncate_prompt_tokens=513), "truncate_prompt_tokens"),  # past the context
     (COMPLETIONS, completion_body(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (COMPLETIONS, completion_body(truncate_prompt_tokens=3, truncation_side="middle"), "truncation_side"),
