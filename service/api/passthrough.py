@@ -204,10 +204,9 @@ def _allowed_beside_constraint(path: str, payload: dict | None) -> ServingError 
     vLLM 0.32 (its grammar rejects the token sampled from nothing)."""
     if payload is None or payload.get("allowed_token_ids") is None or path not in ALLOWED_TOKEN_ROUTES:
         return None
-    fmt = payload.get("response_format")
     if payload.get("structured_outputs") is not None:
         return allowed_beside("structured_outputs")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+    if isinstance(fmt := payload.get("response_format"), dict) and fmt.get("type", "text") != "text":
         return allowed_beside("response_format")
     if path == "/v1/chat/completions" and payload.get("tools") and payload.get("tool_choice") != "none":
         return allowed_beside("tools")

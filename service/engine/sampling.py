@@ -67,7 +67,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
     penalized = output_ids and (params.presence_penalty or params.frequency_penalty)
     repeated = params.repetition_penalty != 1.0 and (output_ids or prompt_tokens is not None)
     held = stop_ids is not None and len(output_ids) < params.min_tokens
-    banned = banned_ids(params.bad_words, output_ids)
+    banned = banned_ids(params.bad_words, output_ids) if params.bad_words else []
     if not params.logit_bias and not penalized and not repeated and not held and allowed is None and not banned:
         return logits
     logits = logits.clone()

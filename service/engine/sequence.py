@@ -96,12 +96,21 @@ def byte_level_table(tokenizer, skip_special: bool = True) -> list[bytes] | None
     table = []
     for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if token_id in added:  # added tokens hold plain text
-            table.append(b"" if added[token_id].special and skip_special else added[token_id].content.encode())
+            table.append(added[token_id].content.encode())
         elif piece is None or any(char not in to_byte for char in piece):
             return None
         else:
             table.append(bytes(to_byte[char] for char in piece))
-    return table
+    return _special_blanked(table, tokenizer) if skip_special else table
+
+
+def _special_blanked(table: list[bytes], tokenizer) -> list[bytes]:
+    """A copy of `table` (the same bytes objects) whose special tokens write nothing."""
+    blanked = list(table)
+    for token_id, token in tokenizer.added_tokens_decoder.items():
+        if token.special and token_id < len(blanked):
+            blanked[token_id] = b""
+    return blanked
 
 
 Detokenizer = IncrementalDetokenizer | ByteLevelDetokenizer
@@ -113,10 +122,7 @@ def detokenizer_factory(tokenizer) -> Callable[[list[int], bool], Detokenizer]:
     written = byte_level_table(tokenizer, skip_special=False)
     if written is None:
         return lambda prompt_ids, skip_special=True: IncrementalDetokenizer(tokenizer, prompt_ids, skip_special)
-    skipped = list(written)  # the same bytes objects, special tokens blanked
-    for token_id, token in tokenizer.added_tokens_decoder.items():
-        if token.special and token_id < len(skipped):
-            skipped[token_id] = b""
+    skipped = _special_blanked(written, tokenizer)
     return lambda prompt_ids, skip_special=True: ByteLevelDetokenizer(skipped if skip_special else written)
 
 
