@@ -134,14 +134,15 @@ class LlamaRunner:
 
     def matmul_kernels(self) -> str:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
-        them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log."""
+        them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log. oneDNN's
+        packed weights are opaque tensors whose memory oneDNN holds: they are left out of the count."""
         names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: f"cpu_gemm's fp32 panels ({cpu_gemm.fp32_isa()})",
                  PANELS_BF16: "cpu_gemm's AVX512-BF16 panels"}
         linears = [linear for layer in self.linears for linear in layer.values()]
         kernels = ", ".join(sorted({names[linear.layout] for linear in linears}))
-        if self.device.type != "cpu" or not huge_pages.offered():
+        weights = [linear.weight for linear in linears + [self.head] if not linear.weight.is_mkldnn]
+        if self.device.type != "cpu" or not huge_pages.offered() or not weights:
             return kernels
-        weights = [linear.weight for linear in linears] + [self.head.weight]
         size = sum(weight.numel() * weight.element_size() for weight in weights)
         return f"{kernels}; {huge_pages.huge_bytes(weights) / 2**20:.0f} of {size / 2**20:.0f} MiB on 2 MB pages"
 

@@ -147,6 +147,7 @@ def test_packed_weights_compute_the_same_logits(tiny_model_dir, setup, monkeypat
     monkeypatch.setattr(cpu_gemm, "suits", lambda device, dtype: layout == PANELS)
     packed = LlamaRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), 64, 4, 512, pack_weights=True)
     assert {linear.layout for layer in packed.linears for linear in layer.values()} == {layout}
+    assert ("oneDNN" if layout == ONEDNN else "panels") in packed.matmul_kernels()  # the start-up log's line
     a = tokenizer("Owls hunt mice in the dark with silent wings.")["input_ids"]
     b = tokenizer("Tea")["input_ids"]
     with torch.inference_mode():
