@@ -17,11 +17,10 @@ server token counts:
   benchmarks/stream_read.c, over 1 GiB on 2 MB pages, every core), measured just before and just
   after each c=1 run (their mean is the run's; a run whose two differ by over 15% is run again, twice
   at most, and one that never agrees is left out of the fraction below), and the bytes a c=1 decode
-  step reads (every weight
-  but the embedding table, one row of which is gathered, and the KV cache at the run's mean
-  context): their quotient
-  bounds decode tokens/s, and each engine's c=1 decode rate (1 / inter-token latency) is reported
-  as a fraction of its run's bound (and once, on 4 KB pages, what the pages are worth);
+  step reads (every weight but the embedding table, one row of which is gathered, and the KV cache
+  at the run's mean context): their quotient bounds decode tokens/s, and each engine's c=1 decode
+  rate (1 / inter-token latency) is reported as a fraction of its run's bound (and once, on 4 KB
+  pages, what the pages are worth);
 - the torch engine with its compiled decode step too (`torch_compiled`: a profile with
   `compile_decode`, inductor's cache cold);
 - fp32, and bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the run says

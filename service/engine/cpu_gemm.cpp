@@ -108,17 +108,26 @@ void row_tile(const float* a, const float* w, int64_t K, float* out, int64_t n, 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl")
 
+// An aligned 64-byte line of W: with a non-temporal load where `Stream` (see row_tile_avx512).
+template <bool Stream>
+inline __m512 line(float* at) {
+  if constexpr (Stream) return _mm512_castsi512_ps(_mm512_stream_load_si512(at));
+  return _mm512_load_ps(at);
+}
+
 // row_tile with AVX-512: a k of the panel is one zmm (16 columns) and one ymm (8). Each column sums
 // its k in the same order, one FMA each, as row_tile's: the same floats. Not inlined into its AVX2
 // caller (the compiler refuses to across targets). Until 2026-12 it read 4 panels at once, each
 // prefetched 1536 bytes ahead, which helped while threads took interleaved panels; from contiguous
 // shares, one stream without prefetches read the 76M shape's 40 matmuls the fastest (cpu_shares.h).
 //
-// W is read with non-temporal loads (vmovntdqa), two k at a time where its 192 bytes are three
-// aligned lines: a decode step streams the model's weights through the caches, and with plain
-// loads they evicted what the rest of the step runs on (the interpreter, torch's dispatcher, the
-// small tensors between the matmuls). On a 2-core Zen 5 EPYC, 76M fp32, a c=1 sampled decode's
-// 640-token sampling took 193 us after a forward against 36 us warm, and 80-160 with these loads.
+// W is read two k at a time where its 192 bytes are three aligned lines, on AMD's CPUs with
+// non-temporal loads (vmovntdqa; `Stream`, streams_weights): a decode step streams the model's
+// weights through the caches, and with plain loads they evicted what the rest of the step runs on
+// (the interpreter, torch's dispatcher, the small tensors between the matmuls). On a 2-core Zen 5
+// EPYC, 76M fp32, a c=1 sampled decode's 640-token sampling took 193 us after a forward against
+// 36 us warm, and 80-160 with these loads.
+template <bool Stream>
 __attribute__((noinline)) void row_tile_avx512(const float* a, const float* w, int64_t K, float* out, int64_t n,
                                                int64_t p) {
   __m512 lo = _mm512_setzero_ps();
@@ -127,9 +136,7 @@ __attribute__((noinline)) void row_tile_avx512(const float* a, const float* w, i
   if ((reinterpret_cast<uintptr_t>(w) & 63) == 0) {
     for (; k + 2 <= K; k += 2) {  // lines: k's columns 0-15 | k's 16-23, k+1's 0-7 | k+1's 8-23
       float* wk = const_cast<float*>(w + k * kPanel);  // GCC 12 declares the intrinsic's pointer non-const
-      const __m512 l0 = _mm512_castsi512_ps(_mm512_stream_load_si512(wk));
-      const __m512 l1 = _mm512_castsi512_ps(_mm512_stream_load_si512(wk + 16));
-      const __m512 l2 = _mm512_castsi512_ps(_mm512_stream_load_si512(wk + 32));
+      const __m512 l0 = line<Stream>(wk), l1 = line<Stream>(wk + 16), l2 = line<Stream>(wk + 32);
       __m512 x = _mm512_set1_ps(a[k]);
       lo = _mm512_fmadd_ps(x, l0, lo);
       hi = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm512_castps512_ps256(l1), hi);
@@ -230,9 +237,19 @@ bool has_avx512() {
   return avx512;
 }
 
+// Whether the one-row AVX-512 tile reads W with non-temporal loads: on AMD's CPUs, where they were
+// measured faster (row_tile_avx512). On a 2-core Intel Xeon with AMX plain loads were: the 76M
+// shape's one-row panels read at 27.3-28.4 GB/s against 25.1-26.8 in a standalone probe (a reader
+// of the same bytes 29-31), and the torch engine decoded at c=1 76.7 tok/s against 70.2 (medians of
+// 4 alternating rounds, in process).
+bool streams_weights() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 // y = x W.T for one row: a panel at a time, from each thread's contiguous share (cpu_shares.h).
 void one_row(const float* a, const float* w, int64_t K, int64_t panels, float* c, int64_t n) {
-  const auto tile = has_avx512() ? row_tile_avx512 : row_tile;
+  const auto tile = !has_avx512() ? row_tile : streams_weights() ? row_tile_avx512<true> : row_tile_avx512<false>;
   inferkiln::for_each_unit(panels, [&](int64_t p) { tile(a, w + p * K * kPanel, K, c, n, p); });
 }
 

@@ -680,7 +680,7 @@ def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, set
     ("AuthenticAMD", {"avx2", "fma"}, True),  # Zen 2/3: measured
     ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"}, True),  # Zen 4: measured
     ("GenuineIntel", {"avx2", "fma"}, True),
-    ("GenuineIntel", {"avx2", "fma", "avx512f"}, False),  # oneDNN's AVX-512 kernels: not compared
+    ("GenuineIntel", {"avx2", "fma", "avx512f", "amx_bf16"}, True),  # a Xeon with AMX: measured
     ("AuthenticAMD", {"avx2"}, False),
     ("", set(), False),  # no /proc/cpuinfo
 ])
