@@ -6,7 +6,7 @@
 // of one sequence) is a panel at a time, each thread reading its contiguous share of the panels
 // (cpu_shares.h: a thread that is preempted mid-matmul, on a machine whose cores are shared with a
 // load generator or the event loop, has the rest of its share taken by the others). On CPUs with
-// AVX-512 the one-row tile runs with zmm registers (row_tile_avx512), and the tiles of several rows
+// AVX-512 the one-row tile runs with zmm registers (row_tiles_avx512), and the tiles of several rows
 // take one zmm and one ymm FMA a k and row where AVX2 takes three (tile_avx512). With several rows
 // threads take a panel at a time as each is done.
 // Why not oneDNN: see cpu_gemm.py.
@@ -80,7 +80,7 @@ inline void tile(const float* a, int64_t lda, const float* w, int64_t k0, int64_
 
 // One row of x against one panel over all k, into out's columns of panel p. Threads read their
 // shares of the panels as one stream each (one_row), which the hardware prefetchers follow. W is
-// read with non-temporal loads where it is aligned (see row_tile_avx512), each k 3 aligned ymm.
+// read with non-temporal loads where it is aligned (see row_tiles_avx512), each k 3 aligned ymm.
 void row_tile(const float* a, const float* w, int64_t K, float* out, int64_t n, int64_t p) {
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
   if ((reinterpret_cast<uintptr_t>(w) & 31) == 0) {
@@ -108,54 +108,74 @@ void row_tile(const float* a, const float* w, int64_t K, float* out, int64_t n, 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl")
 
-// An aligned 64-byte line of W: with a non-temporal load where `Stream` (see row_tile_avx512).
+// An aligned 64-byte line of W: with a non-temporal load where `Stream` (see row_tiles_avx512).
 template <bool Stream>
 inline __m512 line(float* at) {
   if constexpr (Stream) return _mm512_castsi512_ps(_mm512_stream_load_si512(at));
   return _mm512_load_ps(at);
 }
 
-// row_tile with AVX-512: a k of the panel is one zmm (16 columns) and one ymm (8). Each column sums
-// its k in the same order, one FMA each, as row_tile's: the same floats. Not inlined into its AVX2
-// caller (the compiler refuses to across targets). Until 2026-12 it read 4 panels at once, each
-// prefetched 1536 bytes ahead, which helped while threads took interleaved panels; from contiguous
-// shares, one stream without prefetches read the 76M shape's 40 matmuls the fastest (cpu_shares.h).
+// row_tile with AVX-512, for S adjacent panels at once from p0 (S streams of W): a k of a panel is
+// one zmm (16 columns) and one ymm (8). Each column sums its k in the same order, one FMA each, as
+// row_tile's: the same floats, whatever S. Not inlined into its AVX2 caller (the compiler refuses to
+// across targets).
 //
-// W is read two k at a time where its 192 bytes are three aligned lines, on AMD's CPUs with
-// non-temporal loads (vmovntdqa; `Stream`, streams_weights): a decode step streams the model's
-// weights through the caches, and with plain loads they evicted what the rest of the step runs on
-// (the interpreter, torch's dispatcher, the small tensors between the matmuls). On a 2-core Zen 5
-// EPYC, 76M fp32, a c=1 sampled decode's 640-token sampling took 193 us after a forward against
-// 36 us warm, and 80-160 with these loads.
-template <bool Stream>
-__attribute__((noinline)) void row_tile_avx512(const float* a, const float* w, int64_t K, float* out, int64_t n,
-                                               int64_t p) {
-  __m512 lo = _mm512_setzero_ps();
-  __m256 hi = _mm256_setzero_ps();
+// W is read two k at a time where its 192 bytes are three aligned lines. How, differs by vendor
+// (one_row): on AMD's CPUs one panel at a time (S = 1) with non-temporal loads (vmovntdqa,
+// `Stream`); on others 4 panels at once with plain loads. On a 2-core Zen 5 EPYC, from contiguous
+// shares one stream without prefetches read the 76M shape's 40 matmuls the fastest (cpu_shares.h;
+// until 2026-12 it read 4 panels at once, each prefetched ahead), and the non-temporal loads kept
+// the weights' stream from evicting what the rest of the step runs on (the interpreter, torch's
+// dispatcher, the small tensors between the matmuls): a c=1 sampled decode's 640-token sampling
+// took 193 us after a forward against 36 us warm, and 80-160 with these loads. On a 2-core Intel
+// Xeon with AMX (a standalone probe of the tile over 312 MB, 2 threads, a contiguous half each) one
+// panel at a time read 25.1-26.8 GB/s with non-temporal loads and 26.7-29.8 with plain ones, 4
+// panels at once with plain loads 33.5-34.1 (a reader of several streams a core 30.5-34.4), and in
+// the engine plain loads decoded at c=1 76.7 tok/s against 70.2 (4 alternating rounds, in process).
+template <bool Stream, int S>
+__attribute__((noinline)) void row_tiles_avx512(const float* a, const float* w, int64_t K, float* out, int64_t n,
+                                                int64_t p0) {
+  __m512 lo[S];
+  __m256 hi[S];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+    lo[s] = _mm512_setzero_ps();
+    hi[s] = _mm256_setzero_ps();
+  }
+  const int64_t stride = K * kPanel;
   int64_t k = 0;
-  if ((reinterpret_cast<uintptr_t>(w) & 63) == 0) {
+  if ((reinterpret_cast<uintptr_t>(w) & 63) == 0 && (S == 1 || (stride * sizeof(float)) % 64 == 0)) {
     for (; k + 2 <= K; k += 2) {  // lines: k's columns 0-15 | k's 16-23, k+1's 0-7 | k+1's 8-23
-      float* wk = const_cast<float*>(w + k * kPanel);  // GCC 12 declares the intrinsic's pointer non-const
-      const __m512 l0 = line<Stream>(wk), l1 = line<Stream>(wk + 16), l2 = line<Stream>(wk + 32);
-      __m512 x = _mm512_set1_ps(a[k]);
-      lo = _mm512_fmadd_ps(x, l0, lo);
-      hi = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm512_castps512_ps256(l1), hi);
-      x = _mm512_set1_ps(a[k + 1]);
-      lo = _mm512_fmadd_ps(x, _mm512_shuffle_f32x4(l1, l2, 0x4E), lo);  // l1's upper half, l2's lower
-      hi = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l2), 1)),
-                           hi);
+      const __m512 x0 = _mm512_set1_ps(a[k]), x1 = _mm512_set1_ps(a[k + 1]);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        float* wk = const_cast<float*>(w + s * stride + k * kPanel);  // GCC 12 declares the intrinsic's pointer non-const
+        const __m512 l0 = line<Stream>(wk), l1 = line<Stream>(wk + 16), l2 = line<Stream>(wk + 32);
+        lo[s] = _mm512_fmadd_ps(x0, l0, lo[s]);
+        hi[s] = _mm256_fmadd_ps(_mm512_castps512_ps256(x0), _mm512_castps512_ps256(l1), hi[s]);
+        lo[s] = _mm512_fmadd_ps(x1, _mm512_shuffle_f32x4(l1, l2, 0x4E), lo[s]);  // l1's upper half, l2's lower
+        hi[s] = _mm256_fmadd_ps(_mm512_castps512_ps256(x1),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l2), 1)), hi[s]);
+      }
     }
   }
-  for (; k < K; ++k) {  // an odd K's last k, or a panel that is not aligned
+  for (; k < K; ++k) {  // an odd K's last k, or panels that are not aligned
     const __m512 x = _mm512_set1_ps(a[k]);
-    const float* wk = w + k * kPanel;
-    lo = _mm512_fmadd_ps(x, _mm512_loadu_ps(wk), lo);
-    hi = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm256_loadu_ps(wk + 16), hi);
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      const float* wk = w + s * stride + k * kPanel;
+      lo[s] = _mm512_fmadd_ps(x, _mm512_loadu_ps(wk), lo[s]);
+      hi[s] = _mm256_fmadd_ps(_mm512_castps512_ps256(x), _mm256_loadu_ps(wk + 16), hi[s]);
+    }
   }
-  alignas(64) float acc[32];
-  _mm512_store_ps(acc, lo);
-  _mm256_store_ps(acc + 16, hi);
-  std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+    alignas(64) float acc[32];
+    _mm512_store_ps(acc, lo[s]);
+    _mm256_store_ps(acc + 16, hi[s]);
+    const int64_t p = p0 + s;
+    std::memcpy(out + p * kPanel, acc, std::min(kPanel, n - p * kPanel) * sizeof(float));
+  }
 }
 
 // Bytes the tiles of several rows prefetch W ahead (row_groups), 16 k.
@@ -197,7 +217,7 @@ inline void tile_avx512(const float* a, int64_t lda, const float* w, int64_t k0,
   }
 }
 
-// group_tile with AVX-512, up to 8 rows (not inlined into its AVX2 caller, as row_tile_avx512).
+// group_tile with AVX-512, up to 8 rows (not inlined into its AVX2 caller, as row_tiles_avx512).
 __attribute__((noinline)) void group_tile_avx512(int64_t rows, const float* a, int64_t lda, const float* w,
                                                  int64_t k0, int64_t k1, float (*acc)[kPanel], bool first,
                                                  int64_t ahead) {
@@ -237,20 +257,30 @@ bool has_avx512() {
   return avx512;
 }
 
-// Whether the one-row AVX-512 tile reads W with non-temporal loads: on AMD's CPUs, where they were
-// measured faster (row_tile_avx512). On a 2-core Intel Xeon with AMX plain loads were: the 76M
-// shape's one-row panels read at 27.3-28.4 GB/s against 25.1-26.8 in a standalone probe (a reader
-// of the same bytes 29-31), and the torch engine decoded at c=1 76.7 tok/s against 70.2 (medians of
-// 4 alternating rounds, in process).
-bool streams_weights() {
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-}
+// Panels the one-row AVX-512 tile reads at once off AMD's CPUs (row_tiles_avx512).
+constexpr int64_t kStreams = 4;
 
-// y = x W.T for one row: a panel at a time, from each thread's contiguous share (cpu_shares.h).
+// y = x W.T for one row, from each thread's contiguous share of the units (cpu_shares.h): a unit is
+// a panel on AMD's CPUs and without AVX-512, kStreams adjacent panels on other AVX-512 CPUs
+// (row_tiles_avx512 says why).
 void one_row(const float* a, const float* w, int64_t K, int64_t panels, float* c, int64_t n) {
-  const auto tile = !has_avx512() ? row_tile : streams_weights() ? row_tile_avx512<true> : row_tile_avx512<false>;
-  inferkiln::for_each_unit(panels, [&](int64_t p) { tile(a, w + p * K * kPanel, K, c, n, p); });
+  static const bool amd = __builtin_cpu_is("amd");
+  const int64_t stride = K * kPanel;
+  if (!has_avx512()) {
+    inferkiln::for_each_unit(panels, [&](int64_t p) { row_tile(a, w + p * stride, K, c, n, p); });
+  } else if (amd) {
+    inferkiln::for_each_unit(panels, [&](int64_t p) { row_tiles_avx512<true, 1>(a, w + p * stride, K, c, n, p); });
+  } else {
+    inferkiln::for_each_unit((panels + kStreams - 1) / kStreams, [&](int64_t u) {
+      const int64_t p0 = u * kStreams;
+      switch (std::min(kStreams, panels - p0)) {
+        case 4: row_tiles_avx512<false, 4>(a, w + p0 * stride, K, c, n, p0); break;
+        case 3: row_tiles_avx512<false, 3>(a, w + p0 * stride, K, c, n, p0); break;
+        case 2: row_tiles_avx512<false, 2>(a, w + p0 * stride, K, c, n, p0); break;
+        default: row_tiles_avx512<false, 1>(a, w + p0 * stride, K, c, n, p0); break;
+      }
+    });
+  }
 }
 
 constexpr int64_t kGroups = 16;  // row groups a panel takes at once

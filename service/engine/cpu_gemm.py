@@ -15,7 +15,8 @@ tok/s), and its greedy outputs were the same; a 480-token prompt's prefill took 
 against 298 ms: with many rows oneDNN's GEMM computes faster than the panels' tiles). One row (a
 c=1 decode step) is a panel at a time, each thread reading a contiguous share of the panels as one
 stream (cpu_shares.h), with zmm registers where the CPU has AVX-512 (cpu_gemm.cpp's
-row_tile_avx512). Until 2026-12 threads took 4 adjacent panels at a time from one shared counter,
+row_tiles_avx512, which off AMD's CPUs reads 4 adjacent panels at once, 4 streams a thread, and
+says why). Until 2026-12 threads took 4 adjacent panels at a time from one shared counter,
 prefetching each ahead: on a 2-core Zen 5 EPYC whose memory moves between about 35 and 60-70 GB/s,
 the shares read the 76M shape's 40 one-row matmuls 1.15-1.17x as fast in the fast state and
 0.97-1.00x in the slow one (medians of 18-26 rounds, alternating processes; docs/engine-speed.md).

@@ -8,7 +8,7 @@
 // decode step) that is 4 streams of W per core. Threads take 4 panels at a time from their
 // contiguous shares (cpu_shares.h). Where a matmul reads each line of W once (up to 4 rows, W
 // aligned), it reads them with non-temporal loads, as linear_fp32's one-row tile does and for its
-// reason (cpu_gemm.cpp's row_tile_avx512); with more rows a panel's lines are read again from cache.
+// reason (cpu_gemm.cpp's row_tiles_avx512); with more rows a panel's lines are read again from cache.
 // Why not oneDNN: see cpu_gemm.py.
 //
 // The kernel's functions are compiled for AVX-512 (the pragma below), the rest of the library is
