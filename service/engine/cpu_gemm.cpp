@@ -3,7 +3,8 @@
 //
 // Each panel is computed by 4x24 tiles: 12 ymm accumulators, 3 loads of W and 4 broadcasts of x per
 // k, so the FMA units are the bound with several rows and memory is with one. One row (a decode step
-// of one sequence) is a panel at a time, each thread reading its contiguous share of the panels
+// of one sequence) is a panel at a time (4 adjacent ones at once on AVX-512 CPUs other than AMD's:
+// one_row), each thread reading its contiguous share of the panels
 // (cpu_shares.h: a thread that is preempted mid-matmul, on a machine whose cores are shared with a
 // load generator or the event loop, has the rest of its share taken by the others). On CPUs with
 // AVX-512 the one-row tile runs with zmm registers (row_tiles_avx512), and the tiles of several rows

@@ -231,7 +231,7 @@ def test_avx2_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x, packed, columns, None), expected, atol=1e-4)
     assert torch.allclose(torch.ops.inferkiln.linear_fp32(x.transpose(0, 1), packed, columns, bias),
                           (expected + bias).transpose(0, 1), atol=1e-4), "non-contiguous input, bias"
-    one = x[:1, :1]  # one row: its own path, a panel at a time (1-9 panels here)
+    one = x[:1, :1]  # one row: its own path, a panel at a time, 4 at once off AMD's AVX-512 CPUs (1-9 panels here)
     alone = torch.ops.inferkiln.linear_fp32(one, packed, columns, bias)
     assert torch.allclose(alone, one @ weight.T + bias, atol=1e-4)
     # the one-row path (AVX-512 where the CPU has it) sums each column's k in the tiles' order: the same floats
@@ -310,9 +310,10 @@ for op, pack, dtype in kernels:
 
 @pytest.mark.parametrize("avx2", ["0", "1"])
 def test_weights_out_of_alignment_compute_the_same_floats(avx2):
-    """Where each line of W is read once, W's aligned lines are read with non-temporal loads (in
-    pairs of k where a k is not whole lines), the rest with plain loads: the same floats either way,
-    on the AVX-512 paths and on the AVX2 ones (INFERKILN_GEMM_AVX2=1), fp32 and bf16."""
+    """Where each line of W is read once, W's aligned lines are read in pairs of k where a k is not
+    whole lines (with non-temporal loads, but off AMD's CPUs on the AVX-512 one-row path), the rest
+    one k at a time: the same floats either way, on the AVX-512 paths and on the AVX2 ones
+    (INFERKILN_GEMM_AVX2=1), fp32 and bf16."""
     if not panels_run_here():
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     subprocess.run([sys.executable, "-c", ALIGNMENT_CHECK], check=True, timeout=300,
