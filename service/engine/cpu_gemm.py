@@ -21,12 +21,14 @@ prefetching each ahead: on a 2-core Zen 5 EPYC whose memory moves between about 
 the shares read the 76M shape's 40 one-row matmuls 1.15-1.17x as fast in the fast state and
 0.97-1.00x in the slow one (medians of 18-26 rounds, alternating processes; docs/engine-speed.md).
 
-bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp, AVX512-BF16's vdpbf16ps),
-chosen on AMD's CPUs with AVX512-BF16 (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5
-against oneDNN's 8.1 ms at one row and 6.3 against 9.1 at 8. Intel's keep oneDNN, which computes
-bf16 with AMX where the CPU has it: on the 2-core Xeon above the panels decoded at c=1 1.88x as fast
-(162 against 86 tok/s) but took 4.5x as long over a 480-token prompt (419 against 92 ms), and the
-40 matmuls of 16 rows took 15.7 against 8.6 ms.
+bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp), computed with AVX512-BF16's
+vdpbf16ps, or on AMX's tiles where the CPU has them, chosen on AMD's CPUs with AVX512-BF16 and on
+CPUs with AMX (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5 against oneDNN's 8.1 ms at one
+row and 6.3 against 9.1 at 8. On the 2-core Xeon above (2026-12-06, in process, alternating
+processes), where oneDNN computes bf16 with AMX: with AMX's tiles 7.0-8.1 ms against oneDNN's
+11.6-12.7 at one row, 7.0-7.8 against 12.8-13.0 at 8 and 48-53 against 59 at 480 (a prompt's
+prefill). The panels on AVX-512 alone there had decoded at c=1 1.88x as fast as oneDNN (162 against
+86 tok/s) but had taken 4.5x as long over a 480-token prompt (419 against 92 ms).
 
 The same library holds the decoder layer's small ops, fused, for fp32 and bf16 (cpu_decoder.cpp:
 the norms, the residual adds, rotary positions with the cache writes, decode attention over the
@@ -72,6 +74,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = torch.library.Library("inferkiln", "DEF")
 _LIBRARY.define("linear_fp32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
 _LIBRARY.define("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_LIBRARY.define("bf16_amx() -> bool")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
@@ -120,10 +123,19 @@ def fp32_isa() -> str:
 
 def suits_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the bf16 panels (cpu_gemm_bf16.cpp) run here and were measured faster than oneDNN on
-    such a CPU: AMD's with AVX512-BF16 (see docs/engine-speed.md, "AVX-512 EPYCs"). Intel's with AMX keep
-    oneDNN's AMX kernels, which compute a prompt several times as fast (the module docstring)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and "avx512_bf16" in profiles.cpu_flags()
-            and profiles.cpu_vendor() == "AuthenticAMD")
+    such a CPU: AMD's with AVX512-BF16 (see docs/engine-speed.md, "AVX-512 EPYCs") and those with
+    AMX, where they run on its tiles (the module docstring). Intel's with AVX512-BF16 and no AMX
+    were not measured and keep oneDNN."""
+    flags = profiles.cpu_flags()
+    return (device.type == "cpu" and dtype == torch.bfloat16 and "avx512_bf16" in flags
+            and (profiles.cpu_vendor() == "AuthenticAMD" or {"amx_tile", "amx_bf16"} <= flags))
+
+
+def bf16_isa() -> str:
+    """What linear_bf16 runs with here (the library loaded): AMX where the CPU has it, Linux lets
+    this process use it and INFERKILN_GEMM_AMX is not 0 (AVX512-BF16 still for a K that is not whole
+    tiles of 32), else AVX512-BF16."""
+    return "AMX" if torch.ops.inferkiln.bf16_amx() else "AVX512-BF16"
 
 
 def build(out: Path) -> Path:

@@ -136,10 +136,11 @@ class LlamaRunner:
         """What runs the layers' matmuls, and where Linux offers 2 MB pages how much of the weights lie on
         them (cpu_gemm.pack's; service.engine.huge_pages), for the engine's start-up log. oneDNN's
         packed weights are opaque tensors whose memory oneDNN holds: they are left out of the count."""
-        names = {PLAIN: "torch's F.linear", ONEDNN: "oneDNN (packed)", PANELS: f"cpu_gemm's fp32 panels ({cpu_gemm.fp32_isa()})",
-                 PANELS_BF16: "cpu_gemm's AVX512-BF16 panels"}
+        names = {PLAIN: lambda: "torch's F.linear", ONEDNN: lambda: "oneDNN (packed)",
+                 PANELS: lambda: f"cpu_gemm's fp32 panels ({cpu_gemm.fp32_isa()})",
+                 PANELS_BF16: lambda: f"cpu_gemm's bf16 panels ({cpu_gemm.bf16_isa()})"}
         linears = [linear for layer in self.linears for linear in layer.values()]
-        kernels = ", ".join(sorted({names[linear.layout] for linear in linears}))
+        kernels = ", ".join(sorted(names[layout]() for layout in {linear.layout for linear in linears}))
         weights = [linear.weight for linear in linears + [self.head] if not linear.weight.is_mkldnn]
         if self.device.type != "cpu" or not huge_pages.offered() or not weights:
             return kernels

@@ -270,8 +270,8 @@ def test_every_panel_is_computed_once_whatever_the_threads(threads):
         pytest.skip("the AVX2 kernel is for x86 CPUs with AVX2 and FMA")
     torch.manual_seed(threads)
     before = torch.get_num_threads()
-    x = torch.randn(8, 96)
-    cases = [(w, m) for w in [torch.randn(columns, 96) for columns in (24, 70, 1000)] for m in (1, 8)]
+    x = torch.randn(40, 96)
+    cases = [(w, m) for w in [torch.randn(columns, 96) for columns in (24, 70, 1000)] for m in (1, 8, 40)]
     kernels = [(torch.ops.inferkiln.linear_fp32, cpu_gemm.pack, torch.float32)]
     if bf16_panels_run_here():
         kernels.append((torch.ops.inferkiln.linear_bf16, cpu_gemm.pack_bf16, torch.bfloat16))
@@ -324,11 +324,12 @@ def bf16_panels_run_here() -> bool:
     return "avx512_bf16" in profiles.cpu_flags() and cpu_gemm.load()
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 16, 17, 40])
 @pytest.mark.parametrize("columns, inner", [(1, 1), (15, 64), (16, 64), (17, 7), (70, 33), (100, 768)])
 def test_bf16_panels_compute_what_torch_does_for_any_shape(rows, columns, inner):
     """Summed in fp32 and rounded once: within half a bf16 step of the fp32 product (2^-9 relative,
-    more where terms cancel: atol)."""
+    more where terms cancel: atol). With K in whole AMX tiles (64, 768) on AMX's tiles where the CPU
+    has them, in blocks of 32 rows."""
     if not bf16_panels_run_here():
         pytest.skip("the bf16 panels are for x86 CPUs with AVX512-BF16")
     torch.manual_seed(rows * 1000 + columns)
@@ -342,6 +343,40 @@ def test_bf16_panels_compute_what_torch_does_for_any_shape(rows, columns, inner)
     assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-2)
     biased = torch.ops.inferkiln.linear_bf16(x.transpose(0, 1), packed, columns, bias)
     assert torch.allclose(biased.float(), (expected + bias.float()).transpose(0, 1), rtol=2**-8, atol=1e-2)
+
+
+AMX_CHECK = """
+import sys, torch
+from service.engine import cpu_gemm
+assert cpu_gemm.load()
+torch.manual_seed(5)
+outs = []
+for columns, inner in ((70, 96), (2304, 768), (768, 2304)):
+    weight, bias = torch.randn(columns, inner).bfloat16(), torch.randn(columns).bfloat16()
+    packed = cpu_gemm.pack_bf16(weight)
+    outs += [torch.ops.inferkiln.linear_bf16(torch.randn(rows, inner).bfloat16(), packed, columns, bias)
+             for rows in (1, 4, 16, 33, 100)]
+torch.save((torch.ops.inferkiln.bf16_amx(), outs), sys.argv[1])
+"""
+
+
+def test_amx_tiles_compute_what_the_avx512_panels_do(tmp_path):
+    """Where the CPU has AMX the bf16 panels run on its tiles (bf16_amx says so, and
+    INFERKILN_GEMM_AMX=0 keeps AVX-512): the two round an output differently at most rarely, by
+    about a bf16 step (in one of about 10^4 here: tdpbf16ps does not round a pair's products as
+    vdpbf16ps does)."""
+    if not {"avx512_bf16", "amx_tile", "amx_bf16"} <= profiles.cpu_flags() or not bf16_panels_run_here():
+        pytest.skip("AMX's tiles are for x86 CPUs with AMX-BF16")
+    runs = {}
+    for amx in ("1", "0"):
+        subprocess.run([sys.executable, "-c", AMX_CHECK, str(tmp_path / amx)], check=True, timeout=300,
+                       env={**os.environ, "INFERKILN_GEMM_AMX": amx})
+        runs[amx] = torch.load(tmp_path / amx)
+    assert runs["1"][0] is True and runs["0"][0] is False
+    for tiles, avx512 in zip(runs["1"][1], runs["0"][1]):
+        # a bf16 step (8 bits of precision), more where terms cancel (sums here of size 30-50)
+        assert torch.allclose(tiles.float(), avx512.float(), rtol=2**-7, atol=1e-2)
+        assert (tiles != avx512).float().mean() < 1e-3
 
 
 def test_bf16_panels_refuse_what_they_cannot_compute():
@@ -376,15 +411,21 @@ def test_bf16_weights_in_panels_decode_as_near_fp32_as_onednns(tiny_model_dir, s
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)  # untied
     runner = LlamaRunner(model, 64, 4, 512, pack_weights=True)
     assert {linear.layout for layer in runner.linears for linear in layer.values()} == {PANELS_BF16}
-    assert runner.head.layout == PANELS_BF16 and "AVX512-BF16 panels" in runner.matmul_kernels()
+    assert runner.head.layout == PANELS_BF16 and "bf16 panels (" in runner.matmul_kernels()
     prompts, decodes = two_sequences(tokenizer)
+    # a prompt of 40 tokens as well: more than one block of AMX's tiles where the CPU has them
+    long = (tokenizer("Owls hunt mice in the dark with silent wings. " * 4)["input_ids"] * 2)[:40]
     with torch.inference_mode():
         fp32.forward(prompts)
         expected = fp32.forward(decodes)
+        expected_long = fp32.forward([(long, list(range(30, 40)), 0)])
         runner.forward(prompts)
         logits = runner.forward(decodes)
+        logits_long = runner.forward([(long, list(range(30, 40)), 0)])
     assert torch.allclose(logits, expected, atol=0.2), (logits - expected).abs().max()
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert torch.allclose(logits_long, expected_long, atol=0.2), (logits_long - expected_long).abs().max()
+    assert torch.equal(logits_long.argmax(-1), expected_long.argmax(-1))
 
 
 def test_avx2_panels_refuse_what_they_cannot_compute():
@@ -677,21 +718,25 @@ def test_rope_that_changes_with_length_is_computed_each_step(tiny_model_dir, set
     assert torch.allclose(logits, expected[-1], atol=ATOL)
 
 
-@pytest.mark.parametrize("vendor,flags,suits", [
-    ("AuthenticAMD", {"avx2", "fma"}, True),  # Zen 2/3: measured
-    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"}, True),  # Zen 4: measured
-    ("GenuineIntel", {"avx2", "fma"}, True),
-    ("GenuineIntel", {"avx2", "fma", "avx512f", "amx_bf16"}, True),  # a Xeon with AMX: measured
-    ("AuthenticAMD", {"avx2"}, False),
-    ("", set(), False),  # no /proc/cpuinfo
+AMX = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize("vendor,flags,suits,suits_bf16", [
+    ("AuthenticAMD", {"avx2", "fma"}, True, False),  # Zen 2/3: measured
+    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"}, True, True),  # Zen 4: measured
+    ("GenuineIntel", {"avx2", "fma"}, True, False),
+    ("GenuineIntel", {"avx2", "fma", "avx512f", "avx512_bf16"}, True, False),  # no AMX: not measured
+    ("GenuineIntel", {"avx2", "fma", *AMX}, True, True),  # a Xeon with AMX: measured
+    ("AuthenticAMD", {"avx2"}, False, False),
+    ("", set(), False, False),  # no /proc/cpuinfo
 ])
-def test_the_panels_are_chosen_on_the_cpus_they_were_measured_faster_on(monkeypatch, vendor, flags, suits):
+def test_the_panels_are_chosen_on_the_cpus_they_were_measured_faster_on(monkeypatch, vendor, flags, suits, suits_bf16):
     monkeypatch.setattr(profiles, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(profiles, "cpu_vendor", lambda: vendor)
     assert cpu_gemm.suits(torch.device("cpu"), torch.float32) is suits
     assert not cpu_gemm.suits(torch.device("cpu"), torch.bfloat16)
     assert not cpu_gemm.suits(torch.device("cuda"), torch.float32)
-    assert cpu_gemm.suits_bf16(torch.device("cpu"), torch.bfloat16) is (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
+    assert cpu_gemm.suits_bf16(torch.device("cpu"), torch.bfloat16) is suits_bf16
     assert not cpu_gemm.suits_bf16(torch.device("cpu"), torch.float32)
 
 
