@@ -25,8 +25,8 @@ bf16 has panels of its own, `inferkiln::linear_bf16` (cpu_gemm_bf16.cpp), comput
 vdpbf16ps, or on AMX's tiles where the CPU has them, chosen on AMD's CPUs with AVX512-BF16 and on
 CPUs with AMX (`suits_bf16`): on a Zen 4 EPYC the 40 matmuls took 5.5 against oneDNN's 8.1 ms at one
 row and 6.3 against 9.1 at 8. On the 2-core Xeon above (2026-12-06, in process, alternating
-processes), where oneDNN computes bf16 with AMX: with AMX's tiles 7.0-8.1 ms against oneDNN's
-11.6-12.7 at one row, 7.0-7.8 against 12.8-13.0 at 8 and 48-53 against 59 at 480 (a prompt's
+processes), where oneDNN computes bf16 with AMX: with AMX's tiles 7.6-8.3 ms against oneDNN's
+11.6-12.7 at one row, 5.8-7.8 against 12.8-13.0 at 8 and 48-53 against 59 at 480 (a prompt's
 prefill). The panels on AVX-512 alone there had decoded at c=1 1.88x as fast as oneDNN (162 against
 86 tok/s) but had taken 4.5x as long over a 480-token prompt (419 against 92 ms).
 

@@ -13,7 +13,7 @@
 // pairs of k of a panel are one B tile as they lie (16 rows of 64 bytes), up to 16 rows of x's 32 k
 // one A tile, and a block of up to 32 rows against 2 adjacent panels is 4 tiles of sums, all in
 // AMX's 8 tile registers. On a 2-core Xeon with AMX the 76M shape's 40 matmuls took
-// 7.0-8.1 ms with AMX against 8.0-8.2 on AVX-512 at one row, 7.0-7.6 against 11.9-12.4 at 8, and
+// 7.6-8.3 ms with AMX against 8.0-8.2 on AVX-512 at one row, 5.8-7.8 against 11.9-12.7 at 8, and
 // 48-53 ms against 401-443 at 480 (a prompt's prefill; oneDNN's AMX kernels 59 ms): in process,
 // alternating processes. An output rounds differently from AVX-512's in about one of 10^4, by a
 // bf16 step (tdpbf16ps does not round a pair's products as vdpbf16ps does). AMX needs K in whole
