@@ -21,6 +21,9 @@
 
 #include <immintrin.h>
 
+#include "cpu_math.h"
+#include "cpu_shares.h"
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -68,12 +71,48 @@ inline float dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// Asks for `count` floats from `from` ahead of their use: a cache row's run of heads starts where the
-// row's block lies, which no prefetcher can guess at a block's end.
-constexpr int64_t kAhead = 4;  // rows ahead
-template <typename T>
+// The sums of four vectors' lanes, each added in one order: ((0+1)+(2+3))+((4+5)+(6+7)).
+inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// x . rows[r] for R (1 or 4) rows at once: R independent chains where one waited on its last FMA,
+// and four rows' sums reduced together. Each row's sum is added in the same order whatever R.
+template <int R, typename T>
+inline void dots(const T* x, const T* const* rows, int64_t n, float* out) {
+  static_assert(R == 1 || R == 4, "one row or four");
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 x0 = load8(x + i), x1 = load8(x + i + 8);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_fmadd_ps(x0, load8(rows[r] + i), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x1, load8(rows[r] + i + 8), acc1[r]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x0 = load8(x + i);
+    for (int r = 0; r < R; ++r) acc0[r] = _mm256_fmadd_ps(x0, load8(rows[r] + i), acc0[r]);
+  }
+  __m256 v[4];
+  for (int r = 0; r < 4; ++r) v[r] = _mm256_add_ps(acc0[r % R], acc1[r % R]);
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, lane_sums(v[0], v[1], v[2], v[3]));
+  for (int r = 0; r < R; ++r) {
+    float sum = sums[r];
+    for (int64_t k = i; k < n; ++k) sum += static_cast<float>(x[k]) * static_cast<float>(rows[r][k]);
+    out[r] = sum;
+  }
+}
+
+// Asks for `count` elements from `from` ahead of their use: a cache row's run of heads starts where
+// the row's block lies, which no prefetcher can guess at a block's end.
+constexpr int64_t kTile = 32;  // cache rows an attention task reads at a time, the next tile's asked for
+template <_mm_hint Hint, typename T>
 inline void prefetch(const T* from, int64_t count) {
-  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(from + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(from + i), Hint);
 }
 
 // y += a * x
@@ -85,6 +124,26 @@ inline void axpy(float* y, float a, const T* x, int64_t n) {
     _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
   }
   for (; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+}
+
+// y += p[j] * row_at(j) for j in [from, to), in order: axpy's floats, with each 64 floats of y held in
+// registers through the positions instead of loaded and stored at each
+template <typename RowAt>
+inline void accumulate(float* y, const float* p, int64_t from, int64_t to, const RowAt& row_at, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(y + i + 8 * c);
+    for (int64_t j = from; j < to; ++j) {
+      const __m256 a = _mm256_set1_ps(p[j]);
+      const auto* x = row_at(j) + i;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(a, load8(x + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(y + i + 8 * c, acc[c]);
+  }
+  if (i < n) {
+    for (int64_t j = from; j < to; ++j) axpy(y + i, p[j], row_at(j) + i, n - i);
+  }
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm computes it in fp32 (in bf16:
@@ -216,55 +275,141 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
   });
 }
 
+// Rows that attend over the same cache rows are read together. The runner splits a chunk of
+// 2..SPLIT_WIDTH tokens (a short prompt after a cached prefix, an n-gram draft's verify) into rows
+// of one token, side by side at consecutive positions over one block table; read a row at a time,
+// an 8-token chunk after a 480-token prefix read its cache 8 times over. A group is a run of
+// adjacent rows, at most kGroup, each at or past the first's position, whose cache rows agree up to
+// it: in one task, a tile the first row reads is in cache for the others. Each row still reads its
+// own cache rows to its own position, so a grouping changes where data is found, never a result.
+constexpr int64_t kGroup = 8;
+
+// The first row of each group, then `count`.
+std::vector<int64_t> group_starts(const int64_t* row, const int64_t* position, int64_t count, int64_t span) {
+  std::vector<int64_t> starts;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t g = starts.empty() ? -1 : starts.back();
+    const bool joins = g >= 0 && s - g < kGroup && position[s] >= position[g] &&
+                       std::equal(row + g * span, row + g * span + position[g] + 1, row + s * span);
+    if (!joins) starts.push_back(s);
+  }
+  starts.push_back(count);
+  return starts;
+}
+
+// A task: a group's rows over a run of KV heads.
+struct AttentionTask {
+  int64_t first, members, first_kv, last_kv;
+};
+
+// A task is a group's run of KV heads: a cache row holds every KV head side by side, and a block's
+// rows lie one after another, so a task's tile of positions is a few long runs of memory (asked for a
+// tile ahead), where a head at a time took 256 bytes of every 3 KB row (the 76M shape) and a c=1 step's
+// attention waited on memory. A group is split into as many runs as there are threads for each group
+// (c=1), or as it has rows, at most one a KV head; the threads take the tasks as cpu_shares.h shares
+// units, so a preempted thread's tasks are taken by the other.
+std::vector<AttentionTask> attention_tasks(const std::vector<int64_t>& starts, int64_t kv_heads) {
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t per_group = std::max<int64_t>(1, at::get_num_threads() / groups);
+  std::vector<AttentionTask> tasks;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t members = starts[g + 1] - starts[g];
+    const int64_t runs = std::min(kv_heads, std::max(per_group, members));
+    const int64_t per_run = (kv_heads + runs - 1) / runs;
+    for (int64_t kv = 0; kv < kv_heads; kv += per_run) {
+      tasks.push_back({starts[g], members, kv, std::min(kv_heads, kv + per_run)});
+    }
+  }
+  return tasks;
+}
+
 // The attention of sequences s (one query each) over their cache rows, into `o` [count, heads*dim];
-// sums in fp32, each head's output rounded to T once.
+// sums in fp32, each head's output rounded to T once. A task takes its positions a tile at a time,
+// and each (row, head) lane works through the tile with independent chains: four keys' dots at once
+// (dots), the weighted values summed in registers (accumulate), the softmax's exponentials 8 at a
+// time (exp8). Each lane's arithmetic is the same, in the same order, however rows are grouped and
+// tasks split: the same floats as a row alone. On the 76M shape in bf16 (2 threads, per layer) a
+// decode at 489 positions took 56 against 88 us before, 4 decodes 184 against 282, a decode and
+// three 8-token chunks after 480 cached positions 870 against 1596 (std::max_element had kept its
+// running maximum in memory, and std::exp was one call a score).
 template <typename T>
 void attend(const T* q, int64_t q_stride, const T* k, const T* v, T* o, const int64_t* row, const int64_t* position,
             int64_t count, int64_t span, int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
   const int64_t group = heads / kv_heads, kv_width = kv_heads * dim;
-  // A task is a sequence's run of KV heads, read position by position: a cache row holds every KV
-  // head side by side, and a block's rows lie one after another, so a task streams the cache where
-  // a head at a time took 256 bytes of every 3 KB row (the 76M shape), and the attention of a c=1
-  // step waited on memory. A sequence is split into as many runs as there are threads (c=1), at
-  // most one a KV head. Each head's arithmetic is as before, in the same order.
-  const int64_t runs = std::min(kv_heads, std::max<int64_t>(1, at::get_num_threads() / std::max<int64_t>(1, count)));
-  const int64_t per_run = (kv_heads + runs - 1) / runs;
-  at::parallel_for(0, count * runs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_run * group * span), totals(per_run * group), sums(per_run * group * dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / runs, first_kv = (task % runs) * per_run;
-      const int64_t last_kv = std::min(kv_heads, first_kv + per_run), length = position[s] + 1;
-      const int64_t first_head = first_kv * group, task_heads = (last_kv - first_kv) * group;
-      const T* query = q + s * q_stride + first_head * dim;
-      const int64_t* seq_rows = row + s * span;
-      const int64_t run_width = (last_kv - first_kv) * dim;
-      // the task's run of heads in position j's cache row
-      auto run_at = [&](const T* cache, int64_t j) { return cache + seq_rows[j] * kv_width + first_kv * dim; };
-      for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(run_at(k, j + kAhead), run_width);
-        const T* key = run_at(k, j);
+  const std::vector<AttentionTask> tasks = attention_tasks(group_starts(row, position, count, span), kv_heads);
+  inferkiln::for_each_unit(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
+    const AttentionTask& task = tasks[index];
+    const int64_t first_head = task.first_kv * group, task_heads = (task.last_kv - task.first_kv) * group;
+    const int64_t run_width = (task.last_kv - task.first_kv) * dim, lanes = task.members * task_heads;
+    const int64_t* positions = position + task.first;
+    const int64_t longest = *std::max_element(positions, positions + task.members) + 1;
+    thread_local std::vector<float> scores, totals, sums;  // lane m * task_heads + h: row m of the task, head h
+    scores.resize(lanes * span);
+    totals.resize(lanes);
+    sums.assign(lanes * dim, 0.0f);
+    // head h's KV head in position j's cache row, as row m of the task finds it
+    auto at = [&](const T* cache, int64_t m, int64_t j, int64_t h) {
+      return cache + row[(task.first + m) * span + j] * kv_width + (task.first_kv + h / group) * dim;
+    };
+    auto prefetch_tile = [&](const T* cache, int64_t from) {  // the first row's: the rows every row reads
+      for (int64_t j = from; j < std::min(from + kTile, positions[0] + 1); ++j) {
+        prefetch<_MM_HINT_T1>(at(cache, 0, j, 0), run_width);
+      }
+    };
+    for (int64_t from = 0; from < longest; from += kTile) {
+      prefetch_tile(k, from + kTile);
+      for (int64_t m = 0; m < task.members; ++m) {
+        const int64_t to = std::min(from + kTile, positions[m] + 1);
         for (int64_t h = 0; h < task_heads; ++h) {
-          scores[h * span + j] = dot(query + h * dim, key + (h / group) * dim, dim) * scale;
+          const T* query = q + (task.first + m) * q_stride + (first_head + h) * dim;
+          float* lane = scores.data() + (m * task_heads + h) * span;
+          int64_t j = from;
+          for (; j + 4 <= to; j += 4) {
+            const T* keys[4] = {at(k, m, j, h), at(k, m, j + 1, h), at(k, m, j + 2, h), at(k, m, j + 3, h)};
+            dots<4>(query, keys, dim, lane + j);
+          }
+          for (; j < to; ++j) {
+            const T* key = at(k, m, j, h);
+            dots<1>(query, &key, dim, lane + j);
+          }
+          for (j = from; j < to; ++j) lane[j] *= scale;
         }
       }
-      std::fill(totals.begin(), totals.begin() + task_heads, 0.0f);
+    }
+    for (int64_t m = 0; m < task.members; ++m) {
+      const int64_t length = positions[m] + 1;
       for (int64_t h = 0; h < task_heads; ++h) {
-        float* head_scores = scores.data() + h * span;
-        const float top = *std::max_element(head_scores, head_scores + length);
-        for (int64_t j = 0; j < length; ++j) {
-          head_scores[j] = std::exp(head_scores[j] - top);
-          totals[h] += head_scores[j];
+        float* lane = scores.data() + (m * task_heads + h) * span;
+        const float top = inferkiln::row_max(lane, length);
+        float total = 0.0f;  // in a register: summed in memory, each add waited on the last one's store
+        int64_t j = 0;
+        for (; j + 8 <= length; j += 8) {
+          _mm256_storeu_ps(lane + j, inferkiln::exp8(_mm256_sub_ps(_mm256_loadu_ps(lane + j), _mm256_set1_ps(top))));
+          for (int i = 0; i < 8; ++i) total += lane[j + i];
+        }
+        for (; j < length; ++j) {
+          lane[j] = inferkiln::exp1(lane[j] - top);
+          total += lane[j];
+        }
+        totals[m * task_heads + h] = total;
+      }
+    }
+    for (int64_t from = 0; from < longest; from += kTile) {
+      prefetch_tile(v, from + kTile);
+      for (int64_t m = 0; m < task.members; ++m) {
+        const int64_t to = std::min(from + kTile, positions[m] + 1);
+        for (int64_t h = 0; h < task_heads && from < to; ++h) {
+          const int64_t lane = m * task_heads + h;
+          accumulate(sums.data() + lane * dim, scores.data() + lane * span, from, to,
+                     [&](int64_t j) { return at(v, m, j, h); }, dim);
         }
       }
-      std::fill(sums.begin(), sums.begin() + task_heads * dim, 0.0f);
-      for (int64_t j = 0; j < length; ++j) {
-        if (j + kAhead < length) prefetch(run_at(v, j + kAhead), run_width);
-        const T* value = run_at(v, j);
-        for (int64_t h = 0; h < task_heads; ++h) axpy(sums.data() + h * dim, scores[h * span + j], value + (h / group) * dim, dim);
-      }
-      T* result = o + s * heads * dim + first_head * dim;
+    }
+    for (int64_t m = 0; m < task.members; ++m) {
+      T* result = o + (task.first + m) * heads * dim + first_head * dim;
       for (int64_t h = 0; h < task_heads; ++h) {
-        for (int64_t i = 0; i < dim; ++i) result[h * dim + i] = rounded<T>(sums[h * dim + i] / totals[h]);
+        const int64_t lane = m * task_heads + h;
+        for (int64_t i = 0; i < dim; ++i) result[h * dim + i] = rounded<T>(sums[lane * dim + i] / totals[lane]);
       }
     }
   });

@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 # token's draw (cpu_sampling.cpp), in one library
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_gemm.cpp", "cpu_decoder.cpp", "cpu_gemm_bf16.cpp", "cpu_sampling.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_shares.h"),)  # how the matmuls split their panels between threads
+HEADERS = (Path(__file__).with_name("cpu_shares.h"),  # how the matmuls split their panels between threads
+           Path(__file__).with_name("cpu_math.h"))  # exp8 and row_max, for the draw and for attention
 PANEL = 24  # output columns per packed panel (cpu_gemm.cpp's kPanel)
 PANEL_BF16 = 16  # output columns per bf16 panel (cpu_gemm_bf16.cpp's kColumns)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC")

@@ -18,6 +18,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_math.h"
+
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -25,51 +27,12 @@
 
 namespace {
 
+using inferkiln::exp1;
+using inferkiln::exp8;
+using inferkiln::row_max;
+
 constexpr int64_t kBlock = 64;  // tokens a partial sum covers: the draw's walk skips whole blocks
-constexpr float kLeast = -87.33654f;  // log of float's least normal: e^x below it counts as 0
 
-// e^x for x <= 0, 8 at a time: 2^n e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and Cephes' degree-6
-// polynomial for e^r (within 2 ulp of expf); 0 below kLeast and for NaN.
-inline __m256 exp8(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kLeast), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(kLeast));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(two_n)), keep);
-}
-
-inline float exp1(float x) { return x >= kLeast ? std::exp(x) : 0.0f; }
-
-// the largest logit, or NaN where any is NaN
-float row_max(const float* x, int64_t n) {
-  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    top = _mm256_max_ps(top, v);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float best = lanes[0];
-  for (int j = 1; j < 8; ++j) best = std::max(best, lanes[j]);
-  bool nan = _mm256_movemask_ps(unordered) != 0;
-  for (; i < n; ++i) {
-    nan = nan || std::isnan(x[i]);
-    best = std::max(best, x[i]);
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
-}
 
 // e[i] = e^((x[i] - top) * scale); each block of kBlock tokens' sum into blocks (in double)
 void exponentials(const float* x, int64_t n, float top, float scale, float* e, double* blocks) {

@@ -516,6 +516,48 @@ def test_fused_decode_attention_splits_a_sequence_by_uneven_runs_of_kv_heads():
     assert torch.allclose(out[0], expected.flatten(), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 64, 80])
+def test_fused_decode_attention_reads_a_chunks_rows_together_and_gives_each_what_it_gets_alone(dtype, dim):
+    """A chunk split into rows of one token (consecutive positions over one block table) is read as
+    groups of rows; each row's output is the one it gets alone, bitwise, and SDPA's with a causal mask.
+    Beside it: a decode of another sequence, a chunk of 10 rows (more than a group holds), and a row
+    at an earlier position over the same table (not of the group before it)."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(5)
+    heads, kv_heads = 6, 3
+    keys, values = (torch.randn(300, kv_heads, dim).to(dtype) for _ in range(2))
+    chunk_table = torch.randperm(100)[:70]  # scattered cache rows, as blocks lie
+    other_table = 100 + torch.randperm(100)[:70]
+    rows, positions = [], []
+    for position in range(40, 48):  # an 8-token chunk after 40 cached positions
+        rows.append(chunk_table), positions.append(position)
+    rows.append(other_table), positions.append(65)  # another sequence's decode
+    for position in range(50, 60):  # 10 rows of one chunk: two groups
+        rows.append(other_table), positions.append(position)
+    rows.append(chunk_table), positions.append(3)  # earlier than the chunk's rows
+    rows, positions = torch.stack(rows), torch.tensor(positions)
+    qkv = torch.randn(len(rows), (heads + 2 * kv_heads) * dim).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            together = torch.ops.inferkiln.decode_attention(qkv, 0, heads, keys, values, rows, positions, 0.2)
+            for s in range(len(rows)):
+                alone = torch.ops.inferkiln.decode_attention(qkv, s, heads, keys, values, rows[s:s + 1],
+                                                             positions[s:s + 1], 0.2)
+                assert torch.equal(together[s], alone[0]), (count, s)
+    finally:
+        torch.set_num_threads(threads)
+    for s in range(len(rows)):
+        seen = rows[s, :positions[s] + 1]
+        q = qkv[s, :heads * dim].float().view(1, heads, 1, dim)
+        k, v = (cache.index_select(0, seen).float().transpose(0, 1).unsqueeze(0) for cache in (keys, values))
+        expected = F.scaled_dot_product_attention(q, k, v, scale=0.2, enable_gqa=True).flatten()
+        assert torch.allclose(together[s].float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2), s
+
+
 BF16_STEP = 2.0 ** -7  # bf16's relative rounding step
 
 
