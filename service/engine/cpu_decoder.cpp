@@ -335,6 +335,7 @@ std::vector<AttentionTask> attention_tasks(const std::vector<int64_t>& starts, i
 template <typename T>
 void attend(const T* q, int64_t q_stride, const T* k, const T* v, T* o, const int64_t* row, const int64_t* position,
             int64_t count, int64_t span, int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  if (count == 0) return;
   const int64_t group = heads / kv_heads, kv_width = kv_heads * dim;
   const std::vector<AttentionTask> tasks = attention_tasks(group_starts(row, position, count, span), kv_heads);
   inferkiln::for_each_unit(static_cast<int64_t>(tasks.size()), [&](int64_t index) {

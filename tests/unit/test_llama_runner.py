@@ -711,6 +711,8 @@ def test_fused_kernels_refuse_rows_outside_the_cache():
         attend(qkv, 0, 2, keys, values, torch.tensor([[0, -1]]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="beyond its rows"):
         attend(qkv, 0, 2, keys, values, torch.tensor([[0, 1]]), torch.tensor([2]), 1.0)
+    nothing = attend(qkv, 0, 2, keys, values, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0)
+    assert nothing.shape == (0, 16), "no rows: nothing to attend, and no task to split"
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.inferkiln.rms_norm(torch.randn(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-6)
     with pytest.raises(RuntimeError, match="x's dtype"):
