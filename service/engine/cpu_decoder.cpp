@@ -283,6 +283,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
 // it: in one task, a tile the first row reads is in cache for the others. Each row still reads its
 // own cache rows to its own position, so a grouping changes where data is found, never a result.
 constexpr int64_t kGroup = 8;
+constexpr size_t kKeptScores = size_t(1) << 22;  // the most scores (16 MB) a thread keeps between tasks
 
 // The first row of each group, then `count`.
 std::vector<int64_t> group_starts(const int64_t* row, const int64_t* position, int64_t count, int64_t span) {
@@ -413,6 +414,7 @@ void attend(const T* q, int64_t q_stride, const T* k, const T* v, T* o, const in
         for (int64_t i = 0; i < dim; ++i) result[h * dim + i] = rounded<T>(sums[lane * dim + i] / totals[lane]);
       }
     }
+    if (scores.capacity() > kKeptScores) std::vector<float>().swap(scores);  // a long context's, not kept
   });
 }
 
