@@ -78,6 +78,7 @@ _LIBRARY.define("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Te
 _LIBRARY.define("bf16_amx() -> bool")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm(Tensor(a!) hidden, Tensor y, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("silu_mul(Tensor gate_up) -> Tensor")
 _LIBRARY.define("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) keys, "
                 "Tensor(c!) values, Tensor rows) -> ()")
 _LIBRARY.define("decode_attention(Tensor qkv, int first, int heads, Tensor keys, Tensor values, Tensor rows, "

@@ -233,15 +233,22 @@ class LlamaGraph(torch.nn.Module):
             w = 4 * index
             attended = self._attend(self._project(x, w, masks), index, cos, sin, written, attention)
             hidden, x = self._residual(hidden, self._project(attended, w + 1, masks), self.norms[2 * index + 1])
-            gate, up = self._project(x, w + 2, masks).chunk(2, dim=-1)
+            mixed = self._activate(self._project(x, w + 2, masks))
             after = self.norms[2 * index + 2] if index + 1 < self.num_layers else self.final_norm
-            hidden, x = self._residual(hidden, self._project(activation(gate, self.act) * up, w + 3, masks), after)
+            hidden, x = self._residual(hidden, self._project(mixed, w + 3, masks), after)
         return x
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return torch.ops.inferkiln.rms_norm(x, weight, self.eps)
         return rms_norm(x, weight, self.eps)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's act(gate) * up from the fused gate_up projection (fused with SiLU: decode_layers' op)."""
+        if self.fused and self.act == "silu":
+            return torch.ops.inferkiln.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return activation(gate, self.act) * up
 
     def _residual(self, hidden: torch.Tensor, y: torch.Tensor,
                   weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

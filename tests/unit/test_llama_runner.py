@@ -579,6 +579,32 @@ def test_fused_norms_in_bf16_round_where_the_graphs_aten_ops_do():
         assert torch.allclose(normed, llama_graph.rms_norm(x + y, weight, 1e-5), rtol=BF16_STEP, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_computes_what_the_graphs_aten_ops_did(dtype):
+    """silu(gate) * up from [gate | up] rows, rounded where aten's silu and mul round in bf16: widths with
+    and without a tail past 8, rows of a wider tensor (a stride), large, tiny and non-finite inputs."""
+    if not panels_run_here():
+        pytest.skip("the fused kernels are built with the AVX2 library")
+    torch.manual_seed(5)
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, -100.0, 100.0,
+                            float("inf"), float("-inf"), float("nan"), 3.0, -3.0, 0.5])
+    for rows, half in [(1, 768), (3, 11), (5, 16), (0, 8)]:
+        gate_up = (torch.randn(rows, 2 * half + 6) * 4)[:, :2 * half].to(dtype)
+        if rows:
+            gate_up[0, :min(half, 16)] = special[:min(half, 16)].to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.ops.inferkiln.silu_mul(gate_up)
+        expected = F.silu(gate) * up
+        assert out.dtype == dtype and out.shape == (rows, half)
+        assert torch.equal(out.isnan(), expected.isnan())
+        step = BF16_STEP if dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(out.float(), expected.float(), rtol=step, atol=1e-30, equal_nan=True)
+        if dtype == torch.bfloat16 and rows * half > 500:  # e^x under float's least normal counts as 0 here
+            assert (out == expected).float().mean() > 0.97, "all but a few elements are the same bf16"
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.inferkiln.silu_mul(torch.randn(2, 7))
+
+
 def test_fused_rotary_and_decode_attention_in_bf16_compute_what_the_graph_did():
     """Rotary positions in bf16 round each product and their sum as the aten ops do (the same
     bits); decode attention reads the bf16 cache and computes in fp32, as the upcast SDPA did, with
