@@ -273,7 +273,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         store8(activated, silu8(load8(gate + i)));
         store8(row + i, _mm256_mul_ps(load8(activated), load8(up + i)));
       }
-      for (; i < half; ++i) row[i] = rounded<T>(static_cast<float>(rounded<T>(silu1(gate[i]))) * static_cast<float>(up[i]));
+      for (; i < half; ++i) {
+        row[i] = rounded<T>(static_cast<float>(rounded<T>(silu1(gate[i]))) * static_cast<float>(up[i]));
+      }
     });
   });
   return out;
@@ -530,7 +532,8 @@ at::Tensor decode_layers(at::Tensor& hidden, at::TensorList weights, at::IntArra
     rope_store(qkv, cos, sin, heads, kv_heads, k, v, written);
     x = add_rms_norm(hidden, linear(decode_attention(qkv, 0, heads, k, v, rows, positions, scale), w + 1),
                           norms[2 * layer + 1], eps);
-    x = add_rms_norm(hidden, linear(silu_mul(linear(x, w + 2)), w + 3), layer + 1 < layers ? norms[2 * layer + 2] : final_norm, eps);
+    x = add_rms_norm(hidden, linear(silu_mul(linear(x, w + 2)), w + 3),
+                     layer + 1 < layers ? norms[2 * layer + 2] : final_norm, eps);
   }
   return x;
 }
