@@ -233,7 +233,7 @@ at::Tensor add_rms_norm(at::Tensor& hidden, const at::Tensor& y, const at::Tenso
 // x / (1 + e^-x), 8 at a time, from e^-|x| (exp8 takes x <= 0): x / (1 + t) where x >= 0, and
 // x t / (1 + t) below, where t = e^x. Within a few ulp of aten's silu.
 inline __m256 silu8(__m256 x) {
-  const __m256 t = inferkiln::exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+  const __m256 t = inferkiln::exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));  // the sign bit set: -|x|
   const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
   return _mm256_div_ps(_mm256_blendv_ps(x, _mm256_mul_ps(x, t), negative), _mm256_add_ps(t, _mm256_set1_ps(1.0f)));
 }
