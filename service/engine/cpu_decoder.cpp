@@ -108,13 +108,10 @@ inline void dots(const T* x, const T* const* rows, int64_t n, float* out) {
   }
 }
 
-// Asks for `count` elements from `from` ahead of their use: a cache row's run of heads starts where
-// the row's block lies, which no prefetcher can guess at a block's end.
-constexpr int64_t kTile = 32;  // cache rows an attention task reads at a time, the next tile's asked for
-template <_mm_hint Hint, typename T>
-inline void prefetch(const T* from, int64_t count) {
-  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(from + i), Hint);
-}
+// Cache rows an attention task reads at a time, the next tile's asked for (inferkiln::prefetch): a
+// cache row's run of heads starts where the row's block lies, which no prefetcher can guess at a
+// block's end.
+constexpr int64_t kTile = 32;
 
 // y += a * x
 template <typename T>
@@ -407,7 +404,7 @@ void attend(const T* q, int64_t q_stride, const T* k, const T* v, T* o, const in
     };
     auto prefetch_tile = [&](const T* cache, int64_t from) {  // the first row's: the rows every row reads
       for (int64_t j = from; j < std::min(from + kTile, positions[0] + 1); ++j) {
-        prefetch<_MM_HINT_T1>(at(cache, 0, j, 0), run_width);
+        inferkiln::prefetch<_MM_HINT_T1>(at(cache, 0, j, 0), run_width);
       }
     };
     for (int64_t from = 0; from < longest; from += kTile) {

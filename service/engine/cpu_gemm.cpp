@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_math.h"
 #include "cpu_shares.h"
 
 #include <algorithm>
@@ -160,10 +161,8 @@ __attribute__((noinline)) void row_tiles_avx512(const float* a, const float* w, 
 #pragma GCC unroll 4
       for (int s = 0; s < S; ++s) {
         float* wk = const_cast<float*>(w + s * stride + k * kPanel);  // GCC 12 declares the intrinsic's pointer non-const
-        if constexpr (!Stream) {  // these 3 lines, kRowAhead floats on (prefetches never fault)
-          _mm_prefetch(reinterpret_cast<const char*>(wk + kRowAhead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wk + kRowAhead + 16), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wk + kRowAhead + 32), _MM_HINT_T0);
+        if constexpr (!Stream) {  // these 3 lines, kRowAhead floats on (a prefetch never faults)
+          inferkiln::prefetch<_MM_HINT_T0>(wk + kRowAhead, 2 * kPanel);
         }
         const __m512 l0 = line<Stream>(wk), l1 = line<Stream>(wk + 16), l2 = line<Stream>(wk + 32);
         lo[s] = _mm512_fmadd_ps(x0, l0, lo[s]);

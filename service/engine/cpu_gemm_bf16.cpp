@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_math.h"
 #include "cpu_shares.h"
 
 #include <sys/syscall.h>
@@ -204,10 +205,8 @@ void amx_block(const Matmul& mm, int64_t m0, int64_t p0, float* sums) {
   for (int64_t k = 0; k < mm.pairs; k += kTile) {
     if (mm.M <= 2 * kTile) {  // one block of rows: each line of W is read once, from memory
       const char* ahead = w + (k + kAmxAhead) * 64;  // prefetches never fault
-      for (int line = 0; line < kTile; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-      if (Both) {
-        for (int line = 0; line < kTile; ++line) _mm_prefetch(ahead + w_stride + line * 64, _MM_HINT_T0);
-      }
+      inferkiln::prefetch<_MM_HINT_T0>(ahead, kTile * 64);
+      if (Both) inferkiln::prefetch<_MM_HINT_T0>(ahead + w_stride, kTile * 64);
     }
     _tile_loadd(4, x + k * 4, x_stride);
     _tile_loadd(6, w + k * 64, 64);

@@ -1,5 +1,5 @@
-// Vectorized math the fused kernels share (cpu_sampling.cpp's draw, cpu_decoder.cpp's attention):
-// AVX2, the library's ISA.
+// Vectorized math the fused kernels share (cpu_sampling.cpp's draw, cpu_decoder.cpp's attention),
+// and the prefetch the matmuls and attention ask for memory with: AVX2, the library's ISA.
 #pragma once
 
 #include <immintrin.h>
@@ -54,6 +54,12 @@ inline float row_max(const float* x, int64_t n) {
     best = std::max(best, x[i]);
   }
   return nan ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+// Asks for `count` elements from `from`, a 64-byte line at a time, ahead of their use.
+template <_mm_hint Hint, typename T>
+inline void prefetch(const T* from, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(from + i), Hint);
 }
 
 }  // namespace inferkiln
