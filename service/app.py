@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service import __version__
+from service.after_requests import after_requests
 from service.api.errors import install_error_handlers
 from service.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from service.api.router import attach_routers
@@ -55,6 +56,7 @@ def build_app(runtime: Runtime, on_fatal: Callable[[str], None] | None = None) -
             if refresher:
                 refresher.cancel()
             await runtime.engine.shutdown()
+            after_requests.flush()  # the last requests' metrics and access lines
 
     app = FastAPI(title="inferkiln NIM runtime", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime

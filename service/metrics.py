@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service.after_requests import after_requests
 from service.engine.base import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -162,7 +163,14 @@ class ServiceMetrics:
     def record(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
                token_gaps: list[float], e2e: float, model_name: str | None = None) -> None:
         """One engine request ended; `finished_reason` abort/error count as failures. `model_name`:
-        the id the request named (a LoRA adapter's), else the base model's."""
+        the id the request named (a LoRA adapter's), else the base model's. Counted off the
+        request's path (service.after_requests), before any exposition."""
+        after_requests.add(self.count, prompt_tokens, generation_tokens, finished_reason, ttft, token_gaps, e2e,
+                           model_name)
+
+    def count(self, prompt_tokens: int, generation_tokens: int, finished_reason: str, ttft: float | None,
+              token_gaps: list[float], e2e: float, model_name: str | None = None) -> None:
+        """`record` now: for a caller already off the request's path."""
         name = model_name or self.model_name
         series = self._of(name)
         series.prompt_tokens.inc(prompt_tokens)
@@ -179,4 +187,5 @@ class ServiceMetrics:
 
     def exposition(self) -> bytes:
         """The gauges, and the counters and histograms unless the engine's exposition has them."""
+        after_requests.flush()
         return generate_latest(self.gauges)

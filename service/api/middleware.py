@@ -9,6 +9,7 @@ import re
 import secrets
 import time
 
+from service.after_requests import after_requests
 from service.api.errors import ServingError
 from service.logs import request_id_var
 
@@ -63,14 +64,23 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            usage, status = scope["state"].get("usage"), send_with_id.status
-            log.info("%s %s %s", scope["method"], scope["path"], status, extra={
-                "route": scope["path"], "method": scope["method"], "status": status,
-                "latency_ms": round((time.perf_counter() - start) * 1000, 2),
-                "prompt_tokens": usage.prompt_tokens if usage else None,
-                "completion_tokens": usage.completion_tokens if usage else None,
-            })
+            if log.isEnabledFor(logging.INFO):
+                usage = scope["state"].get("usage")
+                after_requests.add(access_line, request_id, scope["method"], scope["path"], send_with_id.status,
+                                   time.perf_counter() - start, time.time(), usage.prompt_tokens if usage else None,
+                                   usage.completion_tokens if usage else None)
             request_id_var.reset(token)
+
+
+def access_line(request_id: str, method: str, path: str, status: int, latency_s: float, ended: float,
+                prompt_tokens: int | None, completion_tokens: int | None) -> None:
+    """A request's access line, logged off its path (service.after_requests), with its end's time."""
+    record = log.makeRecord(log.name, logging.INFO, "(unknown file)", 0, "%s %s %s", (method, path, status), None,
+                            extra={"request_id": request_id, "route": path, "method": method, "status": status,
+                                   "latency_ms": round(latency_s * 1000, 2), "prompt_tokens": prompt_tokens,
+                                   "completion_tokens": completion_tokens})
+    record.created, record.msecs = ended, int(ended * 1000) % 1000
+    log.handle(record)
 
 
 class BodyLimitMiddleware:

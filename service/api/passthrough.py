@@ -9,7 +9,8 @@ The routes are pure ASGI, taken before any routing (service/vllm_contract.py): o
 the contract costs one wrapped `send` per event, which finds a token's event by its choice's null
 finish reason and sends it to the client's own `send`, or else finds by regular expressions what
 carries output and what may end a request (a finish reason, usage, a /v1/responses end), the only
-events parsed; the times of the tokens' events are kept (TTFT, the gaps between tokens).
+events parsed, once the request has ended (service.after_requests); the times of the tokens' events
+are kept (TTFT, the gaps between tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 
 from service.admission import Admission
+from service.after_requests import after_requests
 from service.api.errors import RETRY_AFTER_SECONDS, ServingError, allowed_beside, empty_prompt, from_exception
 from service.api.middleware import send_error
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
@@ -47,6 +49,7 @@ OUTPUT = re.compile(rb'"(?:text|content|reasoning_content|reasoning|delta)":"[^"
 # An event that may end a request or carry its usage: parsed.
 MAY_END = re.compile(rb'"finish_reason":"|"usage":\{|"type":"response\.(?:completed|incomplete|failed)"')
 NOT_ENDING = b'"finish_reason":null'  # a chat or completions event of a choice that goes on
+USAGE = b'"usage":{'  # what MAY_END finds in an event with usage
 # Where each route takes a constraint of its output (vLLM compiles them with xgrammar): their bodies
 # are parsed to check them (`_refused_before_the_engine`). A textual look first would cost as much
 # as the parse of a 1 KB body (3.7 us) and miss keys written with escapes ("any\u004ff").
@@ -66,6 +69,8 @@ class Observed:
     usage: dict | None = None
     finish: str | None = None
     model: str | None = None  # the id the engine answered for: a LoRA adapter's, or the base model's
+    endings: list[bytes | dict] = field(default_factory=list)  # events that may end it, read once it has
+    end: float = 0.0
 
     def ending(self, event: dict) -> None:
         if isinstance(event.get("model"), str):
@@ -80,17 +85,24 @@ class Observed:
             self.usage = _counts(event["usage"])
 
     def record(self, metrics, failure: str | None = None) -> None:
+        """Counted off the request's path (service.after_requests), its last events read then."""
+        self.end = perf_counter()
+        after_requests.add(self._count, metrics, failure)
+
+    def _count(self, metrics, failure: str | None) -> None:
+        for event in self.endings:
+            self.ending(event if isinstance(event, dict) else _json(_data(event)) or {})
         usage = self.usage or {}
         reason = failure or self.finish or "stop"
         if failure is None and not usage:
             return  # nothing was generated (an engine 4xx): as the in-process path, not counted
         times = self.outputs
-        metrics.record(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                       generation_tokens=int(usage.get("completion_tokens") or 0),
-                       finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
-                       ttft=times[0] - self.start if times else None,
-                       token_gaps=list(map(operator.sub, times[1:], times)),
-                       e2e=perf_counter() - self.start, model_name=self.model)
+        metrics.count(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                      generation_tokens=int(usage.get("completion_tokens") or 0),
+                      finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
+                      ttft=times[0] - self.start if times else None,
+                      token_gaps=list(map(operator.sub, times[1:], times)),
+                      e2e=self.end - self.start, model_name=self.model)
 
 
 def _counts(usage: dict | None) -> dict | None:
@@ -354,8 +366,9 @@ class Passthrough:
         an event is a token's, found by NOT_ENDING at a third of the cost of the regular expressions,
         and _send takes it before it comes here. Every other event (a chat stream's role
         first, the last ones, all of a /v1/responses stream, whose events also tell of its items)
-        carries output where OUTPUT finds it, and is parsed where MAY_END finds what may end the
-        request. The usage a token's event may carry too (with `continuous_usage_stats`) is the final
+        carries output where OUTPUT finds it, and is kept where MAY_END finds what may end the
+        request, to be parsed once it has ended (Observed.record), off its path; only a usage event
+        the client did not ask for is parsed here, to be dropped. The usage a token's event may carry too (with `continuous_usage_stats`) is the final
         usage event's, later, to the same count."""
         if OUTPUT.search(data):
             self.observed.outputs.append(perf_counter())
@@ -365,10 +378,13 @@ class Passthrough:
         for raw in data.split(b"\n\n"):
             if not raw:
                 continue
-            event = _json(_data(raw)) or {}
-            self.observed.ending(event)
-            if not self.keep_usage and event.get("usage") and not event.get("choices"):
-                continue
+            if not self.keep_usage and USAGE in raw:  # the usage-only event the client did not ask for?
+                event = _json(_data(raw)) or {}
+                self.observed.endings.append(event)
+                if event.get("usage") and not event.get("choices"):
+                    continue
+            else:
+                self.observed.endings.append(raw)
             out.append(raw + b"\n\n")
         return b"".join(out)
 

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.admission import Admission
+from service.after_requests import after_requests
 from service.api.context import cancel_on_disconnect, runtime
 from service.api.openapi import ERRORS, STREAMED, openapi_document
 from service.api.passthrough import documented_routes
@@ -118,6 +119,7 @@ async def manifest(request: Request) -> dict:
 @management.get("/metrics", response_class=Response, include_in_schema=False)
 async def metrics(request: Request) -> Response:
     rt = runtime(request)
+    after_requests.flush()  # every request that has ended is counted
     engine_own = await rt.engine.scrape()  # refreshes the gauges first
     return Response(rt.metrics.exposition() + engine_own, media_type=PROMETHEUS_TEXT)
 

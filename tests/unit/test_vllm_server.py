@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from service.admission import Admission
+from service.after_requests import after_requests
 from service.api.passthrough import Passthrough, _asking_for_usage, _object, _refused_before_the_engine, openai_error
 from service.engine.base import EngineStats
 from service.engine.vllm_server import (MIDDLEWARE, RUNTIME_FILE_ENV, Resolved, cpu_preload, gauges_from_vllm,
@@ -127,6 +128,8 @@ def _runtime(app) -> SimpleNamespace:
 
 
 def _sample(rt, name: str, **labels) -> float:
+    """The value a scrape would see now (it counts what after_requests holds first)."""
+    after_requests.flush()
     return rt.metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0
 
 
