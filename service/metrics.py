@@ -186,6 +186,6 @@ class ServiceMetrics:
         observe_one(series.generation_hist, generation_tokens)
 
     def exposition(self) -> bytes:
-        """The gauges, and the counters and histograms unless the engine's exposition has them."""
-        after_requests.flush()
+        """The gauges, and the counters and histograms unless the engine's exposition has them (what
+        after_requests holds is counted first, by the metrics route, before either exposition)."""
         return generate_latest(self.gauges)

@@ -368,8 +368,9 @@ class Passthrough:
         first, the last ones, all of a /v1/responses stream, whose events also tell of its items)
         carries output where OUTPUT finds it, and is kept where MAY_END finds what may end the
         request, to be parsed once it has ended (Observed.record), off its path; only a usage event
-        the client did not ask for is parsed here, to be dropped. The usage a token's event may carry too (with `continuous_usage_stats`) is the final
-        usage event's, later, to the same count."""
+        the client did not ask for is parsed here, to be dropped. The usage a token's event may
+        carry too (with `continuous_usage_stats`) is the final usage event's, later, to the same
+        count."""
         if OUTPUT.search(data):
             self.observed.outputs.append(perf_counter())
         if not MAY_END.search(data):
