@@ -96,12 +96,13 @@ class Observed:
         reason = failure or self.finish or "stop"
         if failure is None and not usage:
             return  # nothing was generated (an engine 4xx): as the in-process path, not counted
-        times = self.outputs
-        metrics.count(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                      generation_tokens=int(usage.get("completion_tokens") or 0),
+        times, generated = self.outputs, int(usage.get("completion_tokens") or 0)
+        gaps = list(map(operator.sub, times[1:], times))
+        if times and generated > len(times):  # tokens that came in one event: no time between them
+            gaps += [0.0] * (generated - len(times))
+        metrics.count(prompt_tokens=int(usage.get("prompt_tokens") or 0), generation_tokens=generated,
                       finished_reason=reason if reason in ("stop", "length", "abort", "error") else "stop",
-                      ttft=times[0] - self.start if times else None,
-                      token_gaps=list(map(operator.sub, times[1:], times)),
+                      ttft=times[0] - self.start if times else None, token_gaps=gaps,
                       e2e=self.end - self.start, model_name=self.model)
 
 
@@ -364,7 +365,9 @@ class Passthrough:
         After the first output of a chat or completions stream, vLLM sends an event a token (its text
         held back or not) until the one that ends it, each with its choice's finish reason null: such
         an event is a token's, found by NOT_ENDING at a third of the cost of the regular expressions,
-        and _send takes it before it comes here. Every other event (a chat stream's role
+        and _send takes it before it comes here. Where vLLM's API server falls behind its engine, one
+        event carries the tokens made meanwhile (vLLM's RequestOutputCollector merges them): the
+        usage tells how many, and the metrics count them a gap of zero each (Observed._count). Every other event (a chat stream's role
         first, the last ones, all of a /v1/responses stream, whose events also tell of its items)
         carries output where OUTPUT finds it, and is kept where MAY_END finds what may end the
         request, to be parsed once it has ended (Observed.record), off its path; only a usage event

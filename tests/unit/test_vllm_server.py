@@ -204,6 +204,18 @@ def test_after_the_first_output_each_event_until_the_last_is_a_tokens():
     assert _sample(rt, "time_per_output_token_seconds_count") == 1 and _sample(rt, "generation_tokens_total") == 2
 
 
+def test_tokens_that_came_in_one_event_count_a_gap_of_zero_each():
+    """vLLM merges the tokens its API server had not yet sent into one event (RequestOutputCollector):
+    the usage says how many came, and each token but the first is a gap, those merged zero."""
+    two = b'data: {"choices":[{"index":0,"delta":{"content":"hi you"},"finish_reason":null}]}\n\n'
+    three = USAGE.replace(b'"completion_tokens":2', b'"completion_tokens":4')
+    rt = _runtime(_engine(200, SSE, [ROLE, two, END, three, DONE]))
+    _pass(rt)
+    assert _sample(rt, "time_per_output_token_seconds_count") == 3, "two events, four tokens"
+    assert _sample(rt, "time_per_output_token_seconds_bucket", le="0.01") == 3, "all but a test's instants"
+    assert _sample(rt, "generation_tokens_total") == 4 and _sample(rt, "time_to_first_token_seconds_count") == 1
+
+
 def test_a_stream_through_the_request_id_layer_gets_its_header_once_and_every_event(caplog):
     from service.api.middleware import RequestContextMiddleware
 
