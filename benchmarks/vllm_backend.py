@@ -18,10 +18,15 @@
     `inferkiln build` as a whole process.
 
 All servers run as the chart's pod would (non-root, read-only root, 2 CPUs shared with the load
-generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos.
+generator); the load is factory/verify/load.py's AIPerf-style closed loop, ignore_eos. vLLM runs
+in its default configuration, torch.compile on: the sample spec's `enforce_eager` (its choice for a
+fast start in the image tests) is undone on every vLLM server alike, runtime and own, by
+`NIM_PASSTHROUGH_ARGS=--no-enforce-eager`, so the own server's arguments still are the runtime's.
+`--eager` keeps the spec's eager mode on all of them, a handicapped configuration, labelled so in
+the JSON (`vllm_configuration`).
 
     python -m benchmarks.vllm_backend [--rounds 12] [--skip-cold-build] [--parts a,b,c]
-                                      [--models tiny,llama-76m] [--no-control]
+                                      [--models tiny,llama-76m] [--no-control] [--eager]
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
 LEVELS = (1, 8, 32)
 CONTROL = "vllm_own_again"  # part a's second vLLM own server (`control`)
+# vLLM's default configuration for the vLLM servers (see the docstring), or the spec's eager mode.
+CONFIGURATIONS = {"default (torch.compile)": {"NIM_PASSTHROUGH_ARGS": "--no-enforce-eager"},
+                  "enforce_eager (the sample spec's; handicapped)": {}}
 
 
 def spec(sample: str, directory: Path) -> Path:
@@ -118,13 +126,15 @@ def measure(url: str, levels=LEVELS, load: LoadSettings = PLAIN_LOAD, per_stream
 
 
 def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alternating: int,
-           alternating_tokens: int, per_stream: int, control: bool = False) -> dict:
+           alternating_tokens: int, per_stream: int, control: bool = False,
+           env: dict[str, str] | None = None) -> dict:
     """Short runs against each server, back to back in a balanced order, and the runtime's
     cost as the median of the paired ratios: this VM's CPU steal drifts over minutes, and a pair
     shares it. `model_dir` is mounted in place of the image's weights (None: the image's own);
     `per_stream` requests a client in each run (more for a fast model, whose runs are short).
     `control`: a second vLLM's own server in the rounds, its ratios to the first reported beside
-    the runtime's: what two identical servers differ by on this machine, in the same run.
+    the runtime's: what two identical servers differ by on this machine, in the same run. `env`:
+    every server's (the runtime's settings, from which the own servers' arguments are resolved).
 
     The servers are started twice, for half the rounds each, the second time in the reverse order:
     here the container started first ran slower (tiny model, the same image both doors: c=1 0.95x
@@ -142,7 +152,7 @@ def part_a(client, vllm_image: str, model_dir: Path | None, rounds: int, alterna
         try:
             for name in order:
                 starter = start_model if name == "runtime" else start_vllms_own_server
-                servers[name], _ = start(client, vllm_image, model_dir=model_dir, starter=starter)
+                servers[name], _ = start(client, vllm_image, model_dir=model_dir, env=env, starter=starter)
             doors = {name: servers[name].bridge_url() for name in names}
             running = list(servers.values())
             for url in doors.values():
@@ -220,11 +230,11 @@ def paired_ratios(pairs: list[dict], door: str = "runtime") -> dict:
                for name in ("vllm_own", door)}}
 
 
-def part_b(client, images: dict[str, str], models: dict[str, Path | None]) -> dict:
+def part_b(client, images: dict[str, str], models: dict[str, Path | None], vllm_env: dict[str, str]) -> dict:
     result: dict = {}
     for model_name, model_dir in models.items():
         for engine, image in images.items():
-            running, ready_s = start(client, image, model_dir=model_dir)
+            running, ready_s = start(client, image, model_dir=model_dir, env=vllm_env if engine == "vllm" else None)
             try:
                 result.setdefault(model_name, {})[engine] = {"start_to_ready_s": round(ready_s, 1),
                                                              "levels": measure(running.url, (1, 8))}
@@ -265,25 +275,30 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,llama-76m", help="part a's models, e.g. tiny")
     parser.add_argument("--no-control", action="store_true",
                         help="part a without the second vLLM own server (the tiny model's noise floor)")
+    parser.add_argument("--eager", action="store_true",
+                        help="vLLM in the sample spec's enforce_eager, not its default torch.compile (handicapped)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    configuration = list(CONFIGURATIONS)[1 if args.eager else 0]
+    env = CONFIGURATIONS[configuration]
     stack_up()
     client = docker_client()
     with tempfile.TemporaryDirectory() as tmp:  # the specs, and the 76M model (~300 MB) for parts a and b
         Path(tmp).chmod(0o755)  # the images' user reads the model through a bind mount
         specs = {"torch": spec("tiny-llama.yaml", Path(tmp)), "vllm": spec("tiny-llama-vllm.yaml", Path(tmp))}
         images = {engine: Runner(path).build().model.reference for engine, path in specs.items()}
-        result: dict = {}
+        result: dict = {"vllm_configuration": configuration}
         llama_76m = functools.cache(lambda: make_76m_llama(Path(tmp) / "llama-76m"))  # made on first use
         # (part, key, model, run): each kept in the JSON as soon as it is measured, a model at a time
         steps = [("a", "a_runtime_overhead", "tiny",
                   lambda: part_a(client, images["vllm"], None, args.rounds, 40 * args.rounds, 64, per_stream=16,
-                                 control=not args.no_control)),
+                                 control=not args.no_control, env=env)),
                  # its requests take seconds: fewer rounds, and 16 tokens a request one by one
                  ("a", "a_runtime_overhead", "llama-76m",
                   lambda: part_a(client, images["vllm"], llama_76m(), max(2, args.rounds // 2), 80, 16,
-                                 per_stream=4)),
-                 ("b", "b_torch_vs_vllm", None, lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()})),
+                                 per_stream=4, env=env)),
+                 ("b", "b_torch_vs_vllm", None,
+                  lambda: part_b(client, images, {"tiny": None, "llama-76m": llama_76m()}, env)),
                  ("c", "c_vllm_cpu_image", None, lambda: part_c(client, specs["vllm"], not args.skip_cold_build))]
         for part, key, model, run in steps:
             if part not in args.parts.split(",") or (part == "a" and model not in args.models.split(",")):
