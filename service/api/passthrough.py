@@ -367,13 +367,13 @@ class Passthrough:
         an event is a token's, found by NOT_ENDING at a third of the cost of the regular expressions,
         and _send takes it before it comes here. Where vLLM's API server falls behind its engine, one
         event carries the tokens made meanwhile (vLLM's RequestOutputCollector merges them): the
-        usage tells how many, and the metrics count them a gap of zero each (Observed._count). Every other event (a chat stream's role
-        first, the last ones, all of a /v1/responses stream, whose events also tell of its items)
-        carries output where OUTPUT finds it, and is kept where MAY_END finds what may end the
-        request, to be parsed once it has ended (Observed.record), off its path; only a usage event
-        the client did not ask for is parsed here, to be dropped. The usage a token's event may
-        carry too (with `continuous_usage_stats`) is the final usage event's, later, to the same
-        count."""
+        usage tells how many, and the metrics count them a gap of zero each (Observed._count).
+        Every other event (a chat stream's role first, the last ones, all of a /v1/responses
+        stream, whose events also tell of its items) carries output where OUTPUT finds it, and is
+        kept where MAY_END finds what may end the request, to be parsed once it has ended
+        (Observed.record), off its path; only a usage event the client did not ask for is parsed
+        here, to be dropped. The usage a token's event may carry too (with `continuous_usage_stats`)
+        is the final usage event's, later, to the same count."""
         if OUTPUT.search(data):
             self.observed.outputs.append(perf_counter())
         if not MAY_END.search(data):
