@@ -59,9 +59,9 @@ ROOT = Path(__file__).parents[1]
 MOUNT = "/mnt/model"
 LEVELS = (1, 8, 32)
 CONTROL = "vllm_own_again"  # part a's second vLLM own server (`control`)
-# vLLM's default configuration for the vLLM servers (see the docstring), or the spec's eager mode.
-CONFIGURATIONS = {"default (torch.compile)": {"NIM_PASSTHROUGH_ARGS": "--no-enforce-eager"},
-                  "enforce_eager (the sample spec's; handicapped)": {}}
+# The vLLM servers' configuration (see the docstring): its label in the JSON, and every server's env.
+DEFAULT_VLLM = ("default (torch.compile)", {"NIM_PASSTHROUGH_ARGS": "--no-enforce-eager"})
+EAGER_VLLM = ("enforce_eager (the sample spec's; handicapped)", {})
 
 
 def spec(sample: str, directory: Path) -> Path:
@@ -279,8 +279,7 @@ def main() -> None:
                         help="vLLM in the sample spec's enforce_eager, not its default torch.compile (handicapped)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
-    configuration = list(CONFIGURATIONS)[1 if args.eager else 0]
-    env = CONFIGURATIONS[configuration]
+    configuration, env = EAGER_VLLM if args.eager else DEFAULT_VLLM
     stack_up()
     client = docker_client()
     with tempfile.TemporaryDirectory() as tmp:  # the specs, and the 76M model (~300 MB) for parts a and b
