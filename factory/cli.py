@@ -94,18 +94,29 @@ def build(spec: Spec, as_json: JsonFlag = False) -> None:
                                   + ("" if images.model.built else " (unchanged)"))
 
 
+Flavors = Annotated[list[str] | None, typer.Argument(help="Runtime flavors; default: every flavor.")]
+
+
+def flavor_names(flavors: list[str] | None) -> list[str]:
+    """The flavors named (every flavor when none is), or InputError for a name that is none."""
+    from factory.errors import InputError
+    from factory.image.flavors import FLAVORS
+
+    if unknown := [name for name in flavors or [] if name not in FLAVORS]:
+        raise InputError(f"unknown flavor {unknown[0]!r}; one of {', '.join(FLAVORS)}")
+    return flavors or list(FLAVORS)
+
+
 @app.command()
-def lock(flavors: Annotated[list[str] | None, typer.Argument(help="Runtime flavors; default: every flavor.")] = None,
+def lock(flavors: Flavors = None,
          check: Annotated[bool, typer.Option("--check", help="Exit 1 when a lock is stale against pyproject.toml.")] = False) -> None:
     """(Re)write each runtime flavor's dependency lock (versions and hashes) with uv."""
-    from factory.errors import CheckFailed, InputError
+    from factory.errors import CheckFailed
     from factory.image.flavors import FLAVORS
     from factory.image.lock import compile_lock, stale_flavors
 
     def work() -> None:
-        if unknown := [name for name in flavors or [] if name not in FLAVORS]:
-            raise InputError(f"unknown flavor {unknown[0]!r}; one of {', '.join(FLAVORS)}")
-        names = flavors or list(FLAVORS)
+        names = flavor_names(flavors)
         if check:
             if stale := stale_flavors(names):
                 raise CheckFailed(f"stale lock(s): {', '.join(stale)}; run `inferkiln lock {' '.join(stale)}`")
@@ -116,6 +127,22 @@ def lock(flavors: Annotated[list[str] | None, typer.Argument(help="Runtime flavo
             typer.echo(str(compile_lock(FLAVORS[name])))
 
     guarded("lock", work)
+
+
+@app.command()
+def fetch(flavors: Flavors = None) -> None:
+    """Fetch what each runtime flavor's build needs from the network, its base image and its
+    wheelhouse (cached; a no-op once there), e.g. before a build goes offline: the wheelhouses' paths."""
+    from factory.image.build import fetch_for_runtime
+    from factory.image.flavors import FLAVORS
+    from factory.stack import docker_client
+
+    def work() -> None:
+        names, client = flavor_names(flavors), docker_client()
+        for name in names:
+            typer.echo(str(fetch_for_runtime(client, FLAVORS[name], say)))
+
+    guarded("fetch", work)
 
 
 @app.command("base-image")

@@ -8,6 +8,7 @@ runtime image as it is and rebuilds only the model image's layers.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +25,7 @@ from factory.errors import CheckFailed
 from factory.image.context import ImagePlan, write_model_context, write_runtime_context
 from factory.image.flavors import DEBIAN_BASE_IMAGE, DEBIAN_BASES, Flavor
 from factory.image.wheelhouse import ensure_wheelhouse
+from factory.locking import exclusive
 from factory.paths import cache_dir
 from factory.spec import LoadedSpec
 
@@ -54,16 +56,26 @@ class BuiltImages:
 # -- the base image --------------------------------------------------------------------------
 def ensure_base_image(client, progress: Progress, reference: str = DEBIAN_BASE_IMAGE) -> str:
     """One of DEBIAN_BASES, bootstrapped from Debian's archive (no registry to pull from); any other
-    reference (the CUDA base) is pulled."""
-    if _existing(client, reference):
-        return reference
+    reference (the CUDA base) is pulled. Under the reference's lock, so that a second caller waits
+    for the first's bootstrap and finds its image."""
+    with exclusive(base_image_lock(reference)):
+        if not _existing(client, reference):
+            _pulled_or_bootstrapped(client, progress, reference)
+    return reference
+
+
+def base_image_lock(reference: str) -> Path:
+    return cache_dir() / (".base-" + re.sub(r"[^\w.-]", "_", reference) + ".lock")
+
+
+def _pulled_or_bootstrapped(client, progress: Progress, reference: str) -> None:
     if reference not in DEBIAN_BASES:
         progress(f"pulling {reference}...")
         try:
             client.images.pull(reference)
         except Exception as exc:  # the SDK raises several kinds for an unreachable or unknown image
             raise BuildError(f"the base image {reference} could not be pulled: {exc}") from None
-        return reference
+        return
     if not shutil.which("debootstrap") or os.geteuid() != 0:
         raise BuildError("making the base image needs debootstrap run as root (Debian: apt-get install debootstrap)")
     progress(f"bootstrapping {reference} (Debian bookworm + {', '.join(DEBIAN_BASES[reference])}, a minute or two)...")
@@ -81,7 +93,6 @@ def ensure_base_image(client, progress: Progress, reference: str = DEBIAN_BASE_I
         client.api.import_image(src=str(archive), repository=repository, tag=tag,
                                 changes=["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                                          'CMD ["/bin/bash"]'])
-    return reference
 
 
 # -- builds ----------------------------------------------------------------------------------
@@ -117,12 +128,18 @@ def build_context(client, context: Path, reference: str, progress: Progress, no_
     return image_id or client.images.get(reference).id
 
 
+def fetch_for_runtime(client, flavor: Flavor, progress: Progress) -> Path:
+    """What a runtime build needs from the network, its base image and its wheelhouse (one of
+    them 3.7 GB): its wheelhouse's path. Each waits on a lock for a fetch already under way."""
+    ensure_base_image(client, progress, flavor.base_image)
+    return ensure_wheelhouse(flavor, progress)
+
+
 def build_runtime(client, flavor: Flavor, reference: str, progress: Progress, cold: bool = False) -> BuiltImage:
     start = time.perf_counter()
     if not cold and (existing := _existing(client, reference)):
         return BuiltImage(reference, existing, False, time.perf_counter() - start)
-    ensure_base_image(client, progress, flavor.base_image)
-    wheels = ensure_wheelhouse(flavor, progress)
+    wheels = fetch_for_runtime(client, flavor, progress)
     cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp, serve_directory(wheels) as wheels_url:
         context = write_runtime_context(flavor, Path(tmp) / "runtime")

@@ -16,6 +16,7 @@ from factory.errors import CheckFailed
 from factory.image.flavors import Flavor
 from factory.image.lock import lock_digest
 from factory.image.overlaps import check_overlaps
+from factory.locking import exclusive
 from factory.paths import cache_dir
 
 Progress = Callable[[str], None]
@@ -24,6 +25,10 @@ INSTALLER = "uv"  # the installer's file name in the wheelhouse, which the runti
 
 def wheelhouse_dir(flavor: Flavor) -> Path:
     return cache_dir() / "wheelhouse" / f"{flavor.name}-{lock_digest(flavor)[:16]}"
+
+
+def wheelhouse_lock(flavor: Flavor) -> Path:
+    return wheelhouse_dir(flavor).parent / f".{flavor.name}.lock"
 
 
 def cached_wheelhouse(flavor: Flavor) -> Path | None:
@@ -53,12 +58,21 @@ def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:
 
 
 def _cached_or_downloaded(flavor: Flavor, progress: Progress) -> Path:
-    if cached := cached_wheelhouse(flavor):
-        return _without_stale(cached, flavor)
+    """Under the flavor's lock: a second caller (another build, the test suite's early fetch) waits
+    for the first's download rather than making one of its own beside it."""
     target = wheelhouse_dir(flavor)
+    with exclusive(wheelhouse_lock(flavor)):
+        if cached := cached_wheelhouse(flavor):
+            return _without_stale(cached, flavor)
+        for interrupted in target.parent.glob(f".wheels-{flavor.name}-*"):
+            shutil.rmtree(interrupted, ignore_errors=True)
+        _download(flavor, target, progress)
+        return with_installer(_without_stale(target, flavor))
+
+
+def _download(flavor: Flavor, target: Path, progress: Progress) -> None:
     progress(f"downloading the {flavor.name} wheelhouse from its lock...")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".wheels-"))
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".wheels-{flavor.name}-"))
     try:
         platforms = [arg for tag in flavor.pip_platforms for arg in ("--platform", tag)]
         abi = "cp" + flavor.python_version.replace(".", "")
@@ -76,7 +90,6 @@ def _cached_or_downloaded(flavor: Flavor, progress: Progress) -> Path:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return with_installer(_without_stale(target, flavor))
 
 
 def _without_stale(current: Path, flavor: Flavor) -> Path:

@@ -6,15 +6,14 @@ failed publish (or two publishers at once) never leaves it half written.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, Field, computed_field
 
+from factory.locking import exclusive
 from factory.paths import state_dir
 
 
@@ -98,17 +97,9 @@ def releases(path: Path | None = None) -> list[Release]:
     return [Release.model_validate(entry) for entry in json.loads(path.read_text())["releases"]]
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def record(release: Release, path: Path | None = None) -> None:
     path = path or catalog_path()
-    with _locked(path):
+    with exclusive(path.with_suffix(".lock")):
         entries = [r.model_dump() for r in releases(path)] + [release.model_dump()]
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".catalog-")
         with os.fdopen(fd, "w") as out:

