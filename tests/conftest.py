@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -90,6 +92,32 @@ def remove_images_built_since(started: int) -> None:
                 api.remove_image(image["Id"], force=built_here)
             except docker.errors.APIError:  # a container or a newer image still uses it
                 pass
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Unit tests first, each module's tests in their order: a broken unit shows in minutes, and the
+    early fetch below has their time to overlap."""
+    items.sort(key=lambda item: "integration" in item.path.parts)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runtime_inputs_fetched_early(request) -> Iterator[None]:
+    """Where image builds are among the tests, `inferkiln fetch` runs beside the session from its
+    start: on a fresh machine the base image and the wheelhouses (4 GB from PyPI) are mostly network
+    time, which then overlaps the tests before the first build rather than adding to the run (CI's
+    bound is 45 minutes on a fresh machine). A build that comes first waits on the fetch's locks
+    (factory.image) and fails as it would alone where the fetch failed; on a machine that has them
+    it is a no-op. A process, not a thread: tests point INFERKILN_CACHE elsewhere for a while. The
+    session waits for it at its end (a short session on a fresh machine), so as not to leave a
+    debootstrap half done."""
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield
+        return
+    request.getfixturevalue("local_stack")  # dockerd up before the fetch and the tests both need it
+    fetch = subprocess.Popen([sys.executable, "-m", "factory.cli", "fetch"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    yield
+    fetch.wait()
 
 
 @pytest.fixture(scope="session")
