@@ -22,8 +22,9 @@ from openai import OpenAI
 
 from factory.chart.helm import helm
 from factory.image.build import WHEELS_PORT, BuildError, build_context, ensure_base_image, serve_directory
-from factory.image.flavors import DEBIAN_BASE_IMAGE
+from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 from factory.image.lock import locked_versions
+from factory.image.wheelhouse import wheelhouse_dir
 from factory.pipeline.runner import RunSettings, Runner
 from factory.release import catalog
 from factory.release.publish import PublishError, publish
@@ -112,6 +113,16 @@ def test_rebuild_with_nothing_changed_is_a_fast_no_op(spec_path, built):
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "factory.cli", *args], capture_output=True, text=True,
                           timeout=900, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def test_fetch_names_the_wheelhouse_the_build_installed_from(client, built):
+    """`inferkiln fetch cpu`, a no-op once the build has fetched: the complete wheelhouse with its
+    installer, and the base image in place."""
+    result = run_cli("fetch", "cpu")
+    assert result.returncode == 0, result.stderr
+    wheels = Path(result.stdout.strip())
+    assert wheels == wheelhouse_dir(FLAVORS["cpu"]) and (wheels / ".complete").is_file() and (wheels / "uv").is_file()
+    assert client.images.get(FLAVORS["cpu"].base_image)
 
 
 def test_two_hosts_with_different_torch_builds_get_the_same_runtime_image(spec_path, built, tmp_path):
