@@ -131,8 +131,8 @@ def lock(flavors: Flavors = None,
 
 @app.command()
 def fetch(flavors: Flavors = None) -> None:
-    """Fetch what each runtime flavor's build needs from the network, its base image and its
-    wheelhouse (cached; a no-op once there), e.g. before a build goes offline: the wheelhouses' paths."""
+    """Fetch what each runtime flavor's build needs from the network (its base image and its
+    wheelhouse, cached: a no-op once there), e.g. before building offline; prints the wheelhouses."""
     from factory.image.build import fetch_for_runtime
     from factory.image.flavors import FLAVORS
     from factory.stack import docker_client
