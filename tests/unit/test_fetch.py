@@ -1,6 +1,9 @@
 """What a runtime build fetches (the base image, the wheelhouse), once, however many ask at once."""
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +14,8 @@ from factory.image.build import base_image_lock, ensure_base_image
 from factory.image.flavors import FLAVORS
 from factory.image.wheelhouse import ensure_wheelhouse, wheelhouse_dir, wheelhouse_lock
 from factory.locking import exclusive
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -25,6 +30,22 @@ def completed(flavor):
     current.mkdir(parents=True)
     (current / ".complete").write_text("")
     return current
+
+
+def after_the_first(lock: Path, second: Callable[[], T], first: Callable[[], object]) -> T:
+    """`second` called in a thread while `lock` is held, as by a first caller at work: it must still be
+    waiting half a second on; `first` then does the first caller's work and the lock goes. What
+    `second` returned."""
+    found = []
+    with exclusive(lock):
+        thread = threading.Thread(target=lambda: found.append(second()))
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "the second caller did not wait for the first"
+        first()
+    thread.join(10)
+    assert found, "the second caller failed"
+    return found[0]
 
 
 def test_a_flavors_earlier_wheelhouses_are_removed_and_others_kept(cache):
@@ -45,15 +66,9 @@ def test_a_second_caller_waits_for_the_download_under_way_and_takes_its_wheelhou
     second waits on the flavor's lock and downloads nothing (here a download would fail)."""
     flavor = FLAVORS["cuda"]
     monkeypatch.setattr(wheelhouse, "_download", lambda *_: pytest.fail("downloaded a second time"))
-    found = []
-    with exclusive(wheelhouse_lock(flavor)):  # the first caller, downloading
-        second = threading.Thread(target=lambda: found.append(ensure_wheelhouse(flavor, lambda _: None)))
-        second.start()
-        second.join(0.5)
-        assert second.is_alive(), "the second caller did not wait for the first"
-        current = completed(flavor)
-    second.join(10)
-    assert found == [current]
+    found = after_the_first(wheelhouse_lock(flavor), lambda: ensure_wheelhouse(flavor, lambda _: None),
+                            first=lambda: completed(flavor))
+    assert found == wheelhouse_dir(flavor)
 
 
 def test_an_interrupted_download_of_the_flavor_is_cleared_and_another_flavors_kept(cache, monkeypatch):
@@ -72,15 +87,9 @@ def test_a_second_caller_waits_for_the_base_image_under_way_and_takes_it(cache, 
     reference, images = "inferkiln/base:test", set()
     monkeypatch.setattr(build, "_existing", lambda client, ref: "sha256:1" if ref in images else None)
     monkeypatch.setattr(build, "_pulled_or_bootstrapped", lambda *_: pytest.fail("bootstrapped a second time"))
-    found = []
-    with exclusive(base_image_lock(reference)):
-        second = threading.Thread(target=lambda: found.append(ensure_base_image(None, lambda _: None, reference)))
-        second.start()
-        second.join(0.5)
-        assert second.is_alive(), "the second caller did not wait for the first"
-        images.add(reference)
-    second.join(10)
-    assert found == [reference]
+    found = after_the_first(base_image_lock(reference), lambda: ensure_base_image(None, lambda _: None, reference),
+                            first=lambda: images.add(reference))
+    assert found == reference
 
 
 def test_fetch_names_an_unknown_flavor_as_bad_input():
