@@ -45,8 +45,20 @@ def with_installer(wheels: Path) -> Path:
 
     source, target = Path(find_uv_bin()), wheels / INSTALLER
     if not target.is_file() or not filecmp.cmp(source, target, shallow=False):
-        shutil.copy2(source, target)
+        _replace_atomically(source, target)
     return wheels
+
+
+def _replace_atomically(source: Path, target: Path) -> None:
+    """A copy beside `target`, renamed over it: a build reading the wheelhouse meanwhile (callers of
+    cached_wheelhouse hold no lock) finds the old installer or the new one, never half of one."""
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}-", delete=False) as partial:
+        staged = Path(partial.name)
+    try:
+        shutil.copy2(source, staged)
+        staged.replace(target)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:

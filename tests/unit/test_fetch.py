@@ -96,3 +96,19 @@ def test_fetch_names_an_unknown_flavor_as_bad_input():
     result = CliRunner().invoke(app, ["fetch", "cpu", "rocm"])
     assert result.exit_code == 2
     assert "error: fetch: unknown flavor 'rocm'; one of cpu, vllm-cpu, cuda" in result.output
+
+
+def test_a_new_installer_replaces_the_old_whole_under_a_reader(cache):
+    """A build that opened the wheelhouse's uv before the factory's uv changed reads the old file to
+    its end; the wheelhouse then holds the new one, and no staging copy is left beside it."""
+    from uv import find_uv_bin
+
+    current = completed(FLAVORS["cpu"])
+    installer = current / wheelhouse.INSTALLER
+    old = b"an older uv " * 100_000
+    installer.write_bytes(old)
+    with installer.open("rb") as reading:
+        assert wheelhouse.cached_wheelhouse(FLAVORS["cpu"]) == current
+        assert reading.read() == old
+    assert installer.read_bytes() == Path(find_uv_bin()).read_bytes()
+    assert sorted(p.name for p in current.iterdir()) == [".complete", wheelhouse.INSTALLER]
