@@ -1,9 +1,12 @@
 """One file lock for every cache and state file that two factory processes (or a test session's
-threads) may fill at once: the second waits for the first, then finds its result."""
+threads) may fill at once: the second waits for the first, then finds its result. And one way to
+replace such a file that a reader without the lock may have open."""
 
 from __future__ import annotations
 
 import fcntl
+import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,3 +19,18 @@ def exclusive(path: Path) -> Iterator[None]:
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+@contextmanager
+def replacing(target: Path) -> Iterator[Path]:
+    """A path beside `target` for the block to write, renamed over `target` when the block ends: a
+    reader finds the old file or the new one, never part of one. If the block fails, `target` stays
+    as it was and the partial file goes."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
+    os.close(fd)
+    staged = Path(name)
+    try:
+        yield staged
+        staged.replace(target)
+    finally:
+        staged.unlink(missing_ok=True)

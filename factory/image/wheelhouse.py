@@ -16,7 +16,7 @@ from factory.errors import CheckFailed
 from factory.image.flavors import Flavor
 from factory.image.lock import lock_digest
 from factory.image.overlaps import check_overlaps
-from factory.locking import exclusive
+from factory.locking import exclusive, replacing
 from factory.paths import cache_dir
 
 Progress = Callable[[str], None]
@@ -45,20 +45,9 @@ def with_installer(wheels: Path) -> Path:
 
     source, target = Path(find_uv_bin()), wheels / INSTALLER
     if not target.is_file() or not filecmp.cmp(source, target, shallow=False):
-        _replace_atomically(source, target)
+        with replacing(target) as staged:  # a build may be reading it: cached_wheelhouse's callers hold no lock
+            shutil.copy2(source, staged)
     return wheels
-
-
-def _replace_atomically(source: Path, target: Path) -> None:
-    """A copy beside `target`, renamed over it: a build reading the wheelhouse meanwhile (callers of
-    cached_wheelhouse hold no lock) finds the old installer or the new one, never half of one."""
-    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}-", delete=False) as partial:
-        staged = Path(partial.name)
-    try:
-        shutil.copy2(source, staged)
-        staged.replace(target)
-    finally:
-        staged.unlink(missing_ok=True)
 
 
 def ensure_wheelhouse(flavor: Flavor, progress: Progress) -> Path:

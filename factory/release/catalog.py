@@ -7,13 +7,11 @@ failed publish (or two publishers at once) never leaves it half written.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, Field, computed_field
 
-from factory.locking import exclusive
+from factory.locking import exclusive, replacing
 from factory.paths import state_dir
 
 
@@ -101,7 +99,5 @@ def record(release: Release, path: Path | None = None) -> None:
     path = path or catalog_path()
     with exclusive(path.with_suffix(".lock")):
         entries = [r.model_dump() for r in releases(path)] + [release.model_dump()]
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".catalog-")
-        with os.fdopen(fd, "w") as out:
-            json.dump({"releases": entries}, out, indent=2)
-        os.replace(tmp, path)
+        with replacing(path) as staged:
+            staged.write_text(json.dumps({"releases": entries}, indent=2))

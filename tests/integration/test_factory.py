@@ -24,7 +24,7 @@ from factory.chart.helm import helm
 from factory.image.build import WHEELS_PORT, BuildError, build_context, ensure_base_image, serve_directory
 from factory.image.flavors import DEBIAN_BASE_IMAGE, FLAVORS
 from factory.image.lock import locked_versions
-from factory.image.wheelhouse import wheelhouse_dir
+from factory.image.wheelhouse import INSTALLER, wheelhouse_dir
 from factory.pipeline.runner import RunSettings, Runner
 from factory.release import catalog
 from factory.release.publish import PublishError, publish
@@ -121,7 +121,8 @@ def test_fetch_names_the_wheelhouse_the_build_installed_from(client, built):
     result = run_cli("fetch", "cpu")
     assert result.returncode == 0, result.stderr
     wheels = Path(result.stdout.strip())
-    assert wheels == wheelhouse_dir(FLAVORS["cpu"]) and (wheels / ".complete").is_file() and (wheels / "uv").is_file()
+    assert wheels == wheelhouse_dir(FLAVORS["cpu"])
+    assert (wheels / ".complete").is_file() and (wheels / INSTALLER).is_file()
     assert client.images.get(FLAVORS["cpu"].base_image)
 
 

@@ -13,7 +13,7 @@ from factory.image import build, wheelhouse
 from factory.image.build import base_image_lock, ensure_base_image
 from factory.image.flavors import FLAVORS
 from factory.image.wheelhouse import ensure_wheelhouse, wheelhouse_dir, wheelhouse_lock
-from factory.locking import exclusive
+from factory.locking import exclusive, replacing
 
 T = TypeVar("T")
 
@@ -112,3 +112,13 @@ def test_a_new_installer_replaces_the_old_whole_under_a_reader(cache):
         assert reading.read() == old
     assert installer.read_bytes() == Path(find_uv_bin()).read_bytes()
     assert sorted(p.name for p in current.iterdir()) == [".complete", wheelhouse.INSTALLER]
+
+
+def test_a_replacement_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path):
+    target = tmp_path / "catalog.json"
+    target.write_text("old")
+    with pytest.raises(OSError), replacing(target) as staged:
+        staged.write_text("half")
+        raise OSError("disk full")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["catalog.json"]
