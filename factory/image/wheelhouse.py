@@ -8,7 +8,6 @@ import filecmp
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from factory.errors import CheckFailed
 from factory.image.flavors import Flavor
 from factory.image.lock import lock_digest
 from factory.image.overlaps import check_overlaps
-from factory.locking import exclusive, replacing
+from factory.locking import exclusive, replacing, replacing_dir
 from factory.paths import cache_dir
 
 Progress = Callable[[str], None]
@@ -73,8 +72,7 @@ def _cached_or_downloaded(flavor: Flavor, progress: Progress) -> Path:
 
 def _download(flavor: Flavor, target: Path, progress: Progress) -> None:
     progress(f"downloading the {flavor.name} wheelhouse from its lock...")
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".wheels-{flavor.name}-"))
-    try:
+    with replacing_dir(target, f".wheels-{flavor.name}-") as staging:
         platforms = [arg for tag in flavor.pip_platforms for arg in ("--platform", tag)]
         abi = "cp" + flavor.python_version.replace(".", "")
         result = subprocess.run(
@@ -86,11 +84,6 @@ def _download(flavor: Flavor, target: Path, progress: Progress) -> None:
             raise CheckFailed(f"filling the {flavor.name} wheelhouse from its lock failed: "
                               f"{result.stderr.strip()[-2000:]}")
         (staging / ".complete").write_text(lock_digest(flavor))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _without_stale(current: Path, flavor: Flavor) -> Path:

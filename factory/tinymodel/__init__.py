@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from factory.locking import replacing_dir
 from factory.paths import cache_dir
 
 BUILDER_VERSION = "1"
@@ -100,33 +100,17 @@ def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Pat
         return cached
     out = Path(out)
     if not _is_complete(out, digest):
-        staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=_parent(out)))
-        shutil.copytree(cached, staging, dirs_exist_ok=True)
-        _replace(staging, out)
+        with replacing_dir(out, ".tiny-model-") as staging:
+            shutil.copytree(cached, staging, dirs_exist_ok=True)
     return out
 
 
-def _parent(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.parent
-
-
 def _build_into(target: Path, recipe: Recipe, digest: str) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=_parent(target)))
-    try:
-        from factory.tinymodel.train import build_model
+    from factory.tinymodel.train import build_model
 
+    with replacing_dir(target, ".tiny-model-") as staging:
         build_model(staging, recipe)
         (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
-        _replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace(staging: Path, target: Path) -> None:
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
 
 
 def _is_complete(path: Path, digest: str, marker_name: str = MARKER) -> bool:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from factory.locking import replacing_dir
 from factory.paths import cache_dir
-from factory.tinymodel import _is_complete, _parent, _replace, ensure_tiny_model, memorised_pairs
+from factory.tinymodel import _is_complete, ensure_tiny_model, memorised_pairs
 
 ADAPTER_BUILDER_VERSION = "2"
 MARKER = "inferkiln-tiny-adapter.json"
@@ -55,22 +55,17 @@ def ensure_tiny_adapter(name: str = DEFAULT_NAME, out: Path | None = None, recip
                                         "builder": ADAPTER_BUILDER_VERSION}, sort_keys=True).encode()).hexdigest()
     cached = cache_dir() / "adapters" / digest[:16] / name
     if not _is_complete(cached, digest, MARKER):
-        staging = Path(tempfile.mkdtemp(prefix=".tiny-adapter-", dir=_parent(cached)))
-        try:
+        with replacing_dir(cached, ".tiny-adapter-") as staging:
             train_adapter(base, name, recipe, staging)
             (staging / EVAL_FILE).write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
                                                      for p, c in adapter_pairs(name)))
             (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
-            _replace(staging, cached)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     if out is None:
         return cached
     out = Path(out)
     if not _is_complete(out, digest, MARKER):
-        staging = Path(tempfile.mkdtemp(prefix=".tiny-adapter-", dir=_parent(out)))
-        shutil.copytree(cached, staging, dirs_exist_ok=True)
-        _replace(staging, out)
+        with replacing_dir(out, ".tiny-adapter-") as staging:
+            shutil.copytree(cached, staging, dirs_exist_ok=True)
     return out
 
 

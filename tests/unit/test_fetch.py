@@ -13,7 +13,7 @@ from factory.image import build, wheelhouse
 from factory.image.build import base_image_lock, ensure_base_image
 from factory.image.flavors import FLAVORS
 from factory.image.wheelhouse import ensure_wheelhouse, wheelhouse_dir, wheelhouse_lock
-from factory.locking import exclusive, replacing
+from factory.locking import exclusive, replacing, replacing_dir
 
 T = TypeVar("T")
 
@@ -122,3 +122,25 @@ def test_a_replacement_that_fails_leaves_the_old_file_and_no_partial_one(tmp_pat
         raise OSError("disk full")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["catalog.json"]
+
+
+def test_a_folder_is_replaced_whole_and_nothing_staged_stays(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "old.bin").write_text("old")
+    with replacing_dir(target, ".model-") as staged:
+        assert staged.parent == tmp_path and target.exists()  # the old folder stays until the new is whole
+        (staged / "new.bin").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["new.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_a_folder_replacement_that_fails_leaves_the_old_folder_and_no_partial_one(tmp_path):
+    target = tmp_path / "wheels"
+    target.mkdir()
+    (target / "old.whl").write_text("old")
+    with pytest.raises(OSError), replacing_dir(target, ".wheels-") as staged:
+        (staged / "half.whl").write_text("half")
+        raise OSError("disk full")
+    assert [p.name for p in target.iterdir()] == ["old.whl"]
+    assert [p.name for p in tmp_path.iterdir()] == ["wheels"]
