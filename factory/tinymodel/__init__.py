@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from factory.locking import replacing_dir
+from factory.locking import exclusive, replacing_dir
 from factory.paths import cache_dir
 
 BUILDER_VERSION = "1"
@@ -93,9 +93,10 @@ def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Pat
     The model is built once into the cache; `out` gets a copy of the cached build.
     """
     digest = recipe_digest(recipe)
-    cached = cache_dir() / "models" / digest[:16] / MODEL_NAME
-    if not _is_complete(cached, digest):
-        _build_into(cached, recipe, digest)
+    cached = cached_model_dir(digest)
+    with exclusive(entry_lock(cached)):  # a second caller waits, then finds it built
+        if not _is_complete(cached, digest):
+            _build_into(cached, recipe, digest)
     if out is None:
         return cached
     out = Path(out)
@@ -103,6 +104,15 @@ def ensure_tiny_model(out: Path | None = None, recipe: Recipe = Recipe()) -> Pat
         with replacing_dir(out, ".tiny-model-") as staging:
             shutil.copytree(cached, staging, dirs_exist_ok=True)
     return out
+
+
+def cached_model_dir(digest: str) -> Path:
+    return cache_dir() / "models" / digest[:16] / MODEL_NAME
+
+
+def entry_lock(cached: Path) -> Path:
+    """The lock of a cache entry (a model's, an adapter's): beside its digest's folder."""
+    return cached.parent.with_suffix(".lock")
 
 
 def _build_into(target: Path, recipe: Recipe, digest: str) -> None:

@@ -16,9 +16,9 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from factory.locking import replacing_dir
+from factory.locking import exclusive, replacing_dir
 from factory.paths import cache_dir
-from factory.tinymodel import _is_complete, ensure_tiny_model, memorised_pairs
+from factory.tinymodel import _is_complete, ensure_tiny_model, entry_lock, memorised_pairs
 
 ADAPTER_BUILDER_VERSION = "2"
 MARKER = "inferkiln-tiny-adapter.json"
@@ -54,12 +54,13 @@ def ensure_tiny_adapter(name: str = DEFAULT_NAME, out: Path | None = None, recip
                                         "name": name, "recipe": asdict(recipe),
                                         "builder": ADAPTER_BUILDER_VERSION}, sort_keys=True).encode()).hexdigest()
     cached = cache_dir() / "adapters" / digest[:16] / name
-    if not _is_complete(cached, digest, MARKER):
-        with replacing_dir(cached, ".tiny-adapter-") as staging:
-            train_adapter(base, name, recipe, staging)
-            (staging / EVAL_FILE).write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
-                                                     for p, c in adapter_pairs(name)))
-            (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
+    with exclusive(entry_lock(cached)):  # a second caller waits, then finds it trained
+        if not _is_complete(cached, digest, MARKER):
+            with replacing_dir(cached, ".tiny-adapter-") as staging:
+                train_adapter(base, name, recipe, staging)
+                (staging / EVAL_FILE).write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                                                         for p, c in adapter_pairs(name)))
+                (staging / MARKER).write_text(json.dumps({"digest": digest, "recipe": asdict(recipe)}))
     if out is None:
         return cached
     out = Path(out)

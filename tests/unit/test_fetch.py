@@ -1,9 +1,6 @@
 """What a runtime build fetches (the base image, the wheelhouse), once, however many ask at once."""
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from typer.testing import CliRunner
@@ -13,9 +10,8 @@ from factory.image import build, wheelhouse
 from factory.image.build import base_image_lock, ensure_base_image
 from factory.image.flavors import FLAVORS
 from factory.image.wheelhouse import ensure_wheelhouse, wheelhouse_dir, wheelhouse_lock
-from factory.locking import exclusive, replacing, replacing_dir
-
-T = TypeVar("T")
+from factory.locking import replacing, replacing_dir
+from tests.concurrency import after_the_first
 
 
 @pytest.fixture
@@ -30,22 +26,6 @@ def completed(flavor):
     current.mkdir(parents=True)
     (current / ".complete").write_text("")
     return current
-
-
-def after_the_first(lock: Path, second: Callable[[], T], first: Callable[[], object]) -> T:
-    """`second` called in a thread while `lock` is held, as by a first caller at work: it must still be
-    waiting half a second on; `first` then does the first caller's work and the lock goes. What
-    `second` returned."""
-    found = []
-    with exclusive(lock):
-        thread = threading.Thread(target=lambda: found.append(second()))
-        thread.start()
-        thread.join(0.5)
-        assert thread.is_alive(), "the second caller did not wait for the first"
-        first()
-    thread.join(10)
-    assert found, "the second caller failed"
-    return found[0]
 
 
 def test_a_flavors_earlier_wheelhouses_are_removed_and_others_kept(cache):

@@ -1,7 +1,12 @@
 import hashlib
 import json
 
-from factory.tinymodel import MARKER, Recipe, corpus_lines, ensure_tiny_model, memorised_pairs, recipe_digest
+import pytest
+
+from factory.tinymodel import (MARKER, Recipe, cached_model_dir, corpus_lines, ensure_tiny_model, entry_lock,
+                               memorised_pairs, recipe_digest)
+from factory.tinymodel import train
+from tests.concurrency import after_the_first
 
 
 def test_pairs_split_every_line():
@@ -32,6 +37,23 @@ def test_training_is_deterministic_and_cached(tmp_path, monkeypatch):
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(tmp_path / "a", quick) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime, "a cached model is not rebuilt"
+
+
+def test_a_second_caller_waits_for_the_training_under_way_and_takes_its_model(tmp_path, monkeypatch):
+    """The demo and the test suite on one fresh machine want the same tiny model: the second waits on
+    its cache entry's lock and trains nothing (here a training would fail), then copies the first's."""
+    monkeypatch.setenv("INFERKILN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(train, "build_model", lambda *_: pytest.fail("trained a second time"))
+    digest = recipe_digest(Recipe())
+    cached = cached_model_dir(digest)
+
+    def first():
+        cached.mkdir(parents=True)
+        (cached / "config.json").write_text("{}")
+        (cached / MARKER).write_text(json.dumps({"digest": digest}))
+
+    out = after_the_first(entry_lock(cached), lambda: ensure_tiny_model(tmp_path / "out"), first)
+    assert out == tmp_path / "out" and (out / "config.json").read_text() == "{}"
 
 
 def test_saved_in_hugging_face_format(tiny_model_dir):
