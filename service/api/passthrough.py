@@ -10,7 +10,8 @@ the contract costs one wrapped `send` per event, which finds a token's event by 
 finish reason and sends it to the client's own `send`, or else finds by regular expressions what
 carries output and what may end a request (a finish reason, usage, a /v1/responses end), the only
 events parsed, once the request has ended (service.after_requests); the times of the tokens' events
-are kept (TTFT, the gaps between tokens).
+are kept (TTFT, the gaps between tokens). vLLM's own HTTP metrics, whose middleware the contract takes
+off the path, are recorded then too (service.engine.vllm_http_metrics).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from service.api.middleware import send_error
 from service.api.openapi import ERRORS, REQUESTS, STREAMED, request_body
 from service.engine.base import PassthroughEngine, RequestTooLargeError
 from service.engine.grammar import alternatives, ebnf_rules, width_refused
+from service.engine.vllm_http_metrics import Exchange
 
 # Routes the engine serves; those marked True generate tokens (metrics).
 PASSED = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/responses": True,
@@ -300,6 +302,7 @@ class Passthrough:
             return await receive()  # the client's disconnect reaches the engine, which aborts
 
         self.client, self.sending, self.status, self.held, self.settled = send, None, 200, [], False
+        self.exchange = Exchange(inner, self.observed.start)  # for the engine app's HTTP metrics
         failure = "abort"  # the engine's app returned without a last event: its client went away
         try:
             await engine.app(inner, replay, self._send)
@@ -308,6 +311,8 @@ class Passthrough:
             raise
         finally:
             self._settle(failure)  # nothing when the answer was sent whole
+            if engine.http_metrics is not None:
+                engine.http_metrics.record(self.exchange)
 
     def _settle(self, failure: str | None) -> None:
         """The request is over for the metrics and the drain: once, before its last byte is sent."""
@@ -343,6 +348,7 @@ class Passthrough:
         send = self.client
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            self.exchange.started(message)
             media = dict(message.get("headers", [])).get(b"content-type", b"")
             self.sending = "error" if self.status >= 400 else "events" if media.startswith(b"text/event-stream") \
                 else "whole"

@@ -204,3 +204,4 @@ class PassthroughEngine(EngineBase):
 
     app: Any  # the engine's ASGI app (below the contract's middleware)
     root_app: Any  # the application object its routes expect as scope["app"]
+    http_metrics: Any = None  # records the engine app's HTTP metrics after each request (vllm_http_metrics)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.adapters import Adapter, AdapterRegistry
 from service.engine.base import EngineError, EngineStats, PassthroughEngine
+from service.engine.vllm_http_metrics import unlinked
 from service.logs import json_lines_for_raw_output
 from service.manifest import Profile
 from service.model_signature import Verification
@@ -119,6 +120,7 @@ class VllmServer(PassthroughEngine):
         self.settings_environment = dict(settings_environment or {})
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.app: Any = None  # vLLM's ASGI stack below the contract, set by `attach`
+        self.http_metrics = None  # vLLM's HTTP metrics, recorded after each request (set by `attach`)
         self.root_app: Any = None  # vLLM's FastAPI app (its state holds the engine client)
         self._ready = False
         self._stats = EngineStats(0, 0, max_num_seqs, 0.0)
@@ -139,7 +141,9 @@ class VllmServer(PassthroughEngine):
         return {**own, **vllm_environment(environ)}
 
     def attach(self, app: Any, root_app: Any) -> None:
-        self.app, self.root_app = app, root_app
+        """vLLM's ASGI chain below the contract, its HTTP metrics' middleware taken out of it: the
+        passthrough has them recorded after each request (service.engine.vllm_http_metrics)."""
+        (self.app, self.http_metrics), self.root_app = unlinked(app), root_app
 
     @property
     def _client(self):

@@ -138,6 +138,9 @@ def test_metrics_equal_the_usage_clients_received(oai, served):
     assert grew("time_to_first_token_seconds_count") == len(streamed)
     assert grew("time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in streamed)
     assert grew("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages), "vLLM's own metrics"
+    for handler in ("/v1/completions", "/v1/chat/completions"):  # vLLM's HTTP metrics, recorded by the contract
+        assert metric(after, "http_requests_total", handler=handler, status="2xx") - metric(
+            before, "http_requests_total", handler=handler, status="2xx") == 3
     assert ("num_requests_running", (("model_name", MODEL),)) in after
 
 
@@ -654,6 +657,10 @@ def test_two_api_server_processes_keep_the_contract_and_add_up_their_metrics(doc
             assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == sum(
                 u["completion_tokens"] for u in usages)
             assert metric(after, "request_success_total") - metric(before, "request_success_total") == 16
+            # vLLM's HTTP metrics count what reached vLLM: the clients' requests, not the 401s nor
+            # the warm-ups (the contract's, past vLLM's middleware, which it records instead)
+            assert metric(after, "http_requests_total") == 16
+            assert metric(after, "http_requests_total", handler="/v1/completions", method="POST", status="2xx") == 16
         server = next(pid for pid, cmd in processes(container).items() if SERVE_RESOLVED in cmd)
         container.exec_run(["/bin/sh", "-c", f"kill -TERM {server}"])
         assert wait_for(lambda: exit_code(container), 60, "the runtime to exit") == 0

@@ -124,7 +124,7 @@ def _runtime(app) -> SimpleNamespace:
     the messages a test needs (its real counterpart runs in the integration tests)."""
     stats = EngineStats(running=0, waiting=0, max_num_seqs=4, kv_cache_usage=0.0)
     return SimpleNamespace(admission=Admission(4, 4, 8), metrics=ServiceMetrics("m", 512, lambda: stats),
-                           engine=SimpleNamespace(app=app, root_app="vllm-app"))
+                           engine=SimpleNamespace(app=app, root_app="vllm-app", http_metrics=None))
 
 
 def _sample(rt, name: str, **labels) -> float:
