@@ -58,14 +58,14 @@ def vllms_middleware():
 
     app = build_app(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "tiny-llama"]),
                     supported_tasks=("generate",))
-    node, chain = app.build_middleware_stack(), []
+    node, chain, middleware = app.build_middleware_stack(), [], None
     while node is not None:
         chain.append(type(node).__name__)
+        if isinstance(node, PrometheusInstrumentatorMiddleware):
+            middleware = node
         node = getattr(node, "app", None)
-    node = app.middleware_stack
-    while not isinstance(node, PrometheusInstrumentatorMiddleware):
-        node = node.app
-    return app, node, chain
+    assert middleware is not None, f"vLLM's app has no HTTP metrics middleware: {chain}"
+    return app, middleware, chain
 
 
 def inside(args: argparse.Namespace) -> None:

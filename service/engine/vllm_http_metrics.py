@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response
+
 from service.after_requests import after_requests
 
 CHAIN_DEPTH = 64  # middlewares followed below the contract before giving up
@@ -51,10 +55,7 @@ class HttpMetrics:
         after_requests.add(self._record, exchange)
 
     def _record(self, exchange: Exchange) -> None:
-        from prometheus_fastapi_instrumentator.metrics import Info
-        from starlette.datastructures import Headers
-        from starlette.requests import Request
-        from starlette.responses import Response
+        from prometheus_fastapi_instrumentator.metrics import Info  # in vLLM's images only
 
         m = self.middleware
         request = Request(exchange.scope)

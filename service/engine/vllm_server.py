@@ -120,7 +120,6 @@ class VllmServer(PassthroughEngine):
         self.settings_environment = dict(settings_environment or {})
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.app: Any = None  # vLLM's ASGI stack below the contract, set by `attach`
-        self.http_metrics = None  # vLLM's HTTP metrics, recorded after each request (set by `attach`)
         self.root_app: Any = None  # vLLM's FastAPI app (its state holds the engine client)
         self._ready = False
         self._stats = EngineStats(0, 0, max_num_seqs, 0.0)
